@@ -1,0 +1,345 @@
+"""Allocator-side lifetime invariants, checked at the call that breaks them.
+
+The adapter reports what the engine did (allocate, share, release, retain,
+transfer, cache, request ended) together with what it observed on the engine's
+blocks (reference count, free-queue membership).  The checker keeps the
+:class:`~kvsan.shadow.ShadowTable` in step and returns nothing: violations go
+to ``emit``.
+
+Invariants:
+* a block reaches the free queue, or is handed to a new owner, only when no
+  live owner holds it (``free_with_live_owners``, ``reuse_with_live_owners``,
+  ``evict_with_live_owners``);
+* every release matches an acquire by the same owner (``double_release``,
+  ``invalid_release``) and never drives the engine's count below zero
+  (``refcount_underflow``);
+* the engine's count equals the number of owners (``refcount_mismatch``);
+* the free queue holds only unreferenced blocks, each once
+  (``free_queue_corruption``);
+* when a request's release path has run it holds nothing (``leaked_blocks``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+from .. import kinds
+from ..report import Violation
+from ..shadow import ShadowTable
+
+UNATTRIBUTED = "<unattributed>"
+#: order in which a release without a known owner picks a non-request owner
+_NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:")
+
+
+class AllocatorChecker:
+    def __init__(
+        self,
+        num_blocks: int,
+        emit: Callable[[Violation], None],
+        step: Callable[[], int] = lambda: 0,
+        null_blocks: Iterable[int] = (0,),
+        pool: str = "gpu",
+    ):
+        self.shadow = ShadowTable(num_blocks, null_blocks)
+        self.emit = emit
+        self.step = step
+        self.pool = pool
+        #: blocks whose refcount mismatch was reported and not yet resolved
+        self._mismatched: set[int] = set()
+        #: finished requests on a legal delayed-free path: rid -> step it finished
+        self.pending_release: dict[str, int] = {}
+        #: (kind, block, owner) already reported by a full audit
+        self._audit_seen: set[tuple] = set()
+
+    # -- reporting helper ---------------------------------------------------
+    def _report(self, kind, message, blocks, owners, actor, site):
+        sh = self.shadow
+        self.emit(
+            Violation(
+                kind=kind,
+                message=message,
+                blocks=list(blocks),
+                owners=sorted(set(owners)),
+                actor=actor,
+                step=self.step(),
+                site=site,
+                details=[sh.describe(b) for b in blocks],
+                pool=self.pool,
+            )
+        )
+
+    def _check_refcount(self, b: int, ref: int, actor, site) -> None:
+        expected = self.shadow.num_owners(b)
+        if ref == expected:
+            self._mismatched.discard(b)
+        elif b not in self._mismatched and ref >= 0:
+            self._mismatched.add(b)
+            self._report(
+                kinds.REFCOUNT_MISMATCH,
+                f"block {b}: engine ref count {ref} but {expected} owner(s) hold it",
+                [b],
+                self.shadow.owners(b),
+                actor,
+                site,
+            )
+
+    # -- events -------------------------------------------------------------
+    def on_allocate(self, obs: Sequence[tuple[int, int]], owner: str, site: str) -> None:
+        """Fresh blocks handed to ``owner``.  ``obs`` = (block, ref after)."""
+        sh = self.shadow
+        step = self.step()
+        sid = sh.site_id(site)
+        for b, ref in obs:
+            if b in sh.null:
+                continue
+            prior = sh.owners(b)
+            if prior:
+                live = [o for o in prior if o not in sh.ended]
+                if live:
+                    if sh.cached[b]:
+                        self._report(
+                            kinds.EVICT_WITH_LIVE_OWNERS,
+                            f"block {b} evicted from the prefix cache to be reused while "
+                            f"{', '.join(live)} still own(s) it",
+                            [b], live, owner, site,
+                        )
+                    self._report(
+                        kinds.REUSE_WITH_LIVE_OWNERS,
+                        f"block {b} handed to {owner} while {', '.join(live)} still own(s) it",
+                        [b], live, owner, site,
+                    )
+                # the engine gave the block away: earlier owners' claims are void
+                for o in prior:
+                    sh.remove_owner(b, o)
+            sh.set_uncached(b)
+            sh.add_owner(b, owner)
+            sh.note_acquire(b, owner, step, sid)
+            self._check_refcount(b, ref, owner, site)
+
+    def on_share(self, obs: Sequence[tuple[int, int, bool]], owner: str, site: str) -> None:
+        """Cached blocks taken by ``owner`` (prefix hit or pin).
+        ``obs`` = (block, ref after, still linked in the free queue)."""
+        sh = self.shadow
+        step = self.step()
+        sid = sh.site_id(site)
+        for b, ref, linked in obs:
+            if b in sh.null:
+                continue
+            sh.add_owner(b, owner)
+            sh.note_acquire(b, owner, step, sid)
+            if linked:
+                self._report(
+                    kinds.FREE_QUEUE_CORRUPTION,
+                    f"block {b} is referenced by {owner} but still linked in the free queue",
+                    [b], sh.owners(b), owner, site,
+                )
+            self._check_refcount(b, ref, owner, site)
+
+    def resolve_releaser(self, b: int, actor: str | None) -> str:
+        """The owner a release is charged to: the request named by the call
+        context, else a non-request owner of the block, else unattributed."""
+        if actor is not None:
+            return actor
+        sh = self.shadow
+        owners = sh.owners(b)
+        for prefix in _NONREQUEST_ORDER:
+            for o in owners:
+                if o.startswith(prefix) and o in sh.nonrequest:
+                    return o
+        return UNATTRIBUTED
+
+    def on_release(
+        self,
+        obs: Sequence[tuple[int, int, bool, int, bool]],
+        actor: str | None,
+        site: str,
+    ) -> None:
+        """References dropped.  ``obs`` = (block, ref before, linked before,
+        ref after, linked after), one entry per reference the engine dropped."""
+        sh = self.shadow
+        step = self.step()
+        sid = sh.site_id(site)
+        for b, ref_before, linked_before, ref_after, linked_after in obs:
+            if b in sh.null:
+                continue
+            releaser = self.resolve_releaser(b, actor)
+            if ref_after < 0:
+                self._report(
+                    kinds.REFCOUNT_UNDERFLOW,
+                    f"block {b} released by {releaser} with no reference left "
+                    f"(engine ref count {ref_before} -> {ref_after})",
+                    [b], [releaser], releaser, site,
+                )
+            if not sh.remove_owner(b, releaser):
+                if sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED:
+                    self._report(
+                        kinds.DOUBLE_RELEASE,
+                        f"{releaser} released block {b} twice (first at step {sh.rel_step[b]} "
+                        f"from {sh.sites[sh.rel_site[b]]})",
+                        [b], [releaser], releaser, site,
+                    )
+                elif ref_after >= 0:
+                    self._report(
+                        kinds.INVALID_RELEASE,
+                        f"{releaser} released block {b}, which it never acquired",
+                        [b], [releaser], releaser, site,
+                    )
+            sh.note_release(b, releaser, step, sid)
+            if ref_after == 0 and linked_after:
+                if linked_before:
+                    self._report(
+                        kinds.FREE_QUEUE_CORRUPTION,
+                        f"block {b} inserted into the free queue while already in it",
+                        [b], sh.owners(b), releaser, site,
+                    )
+                live = sh.live_owners(b)
+                if live:
+                    self._mismatched.add(b)  # the count gap is this same fault
+                    self._report(
+                        kinds.FREE_WITH_LIVE_OWNERS,
+                        f"block {b} returned to the free queue by {releaser} while "
+                        f"{', '.join(live)} still own(s) it",
+                        [b], live, releaser, site,
+                    )
+            self._check_refcount(b, ref_after, releaser, site)
+
+    def on_retain(self, b: int, ref: int, owner: str, site: str) -> None:
+        """A non-request owner took an extra reference directly (CoW retention)."""
+        sh = self.shadow
+        sh.nonrequest.add(owner)
+        sh.add_owner(b, owner)
+        sh.note_acquire(b, owner, self.step(), sh.site_id(site))
+        self._check_refcount(b, ref, owner, site)
+
+    def on_transfer(self, blocks: Iterable[int], src: str, dst: str, site: str) -> None:
+        """Ownership handed from ``src`` to ``dst`` without touching the engine
+        count (a request's reference kept alive by a CoW copy or a fenced free)."""
+        sh = self.shadow
+        for b in blocks:
+            if b in sh.null:
+                continue
+            if sh.remove_owner(b, src):
+                sh.nonrequest.add(dst)
+                sh.add_owner(b, dst)
+            else:
+                self._report(
+                    kinds.INVALID_RELEASE,
+                    f"{src} handed over block {b}, which it does not hold",
+                    [b], [src], src, site,
+                )
+
+    def table_still_references(self, owner: str, blocks: Sequence[int], site: str) -> None:
+        """After ``owner``'s free ran, its block table still lists ``blocks``:
+        any of them it no longer owns has been freed under a live reader."""
+        sh = self.shadow
+        stale = [b for b in blocks if b not in sh.null and not sh.is_owner(b, owner)]
+        if stale:
+            self._report(
+                kinds.FREE_WITH_LIVE_OWNERS,
+                f"{owner}'s blocks {stale} were released but its block table still "
+                "references them",
+                stale, [owner], owner, site,
+            )
+
+    def on_cached(self, items: Iterable[tuple[int, bytes | None]]) -> None:
+        sh = self.shadow
+        for b, key in items:
+            if b not in sh.null:
+                sh.set_cached(b, key)
+
+    def on_uncached(self, blocks: Iterable[int]) -> None:
+        sh = self.shadow
+        for b in blocks:
+            sh.set_uncached(b)
+
+    def on_uncache_all(self) -> None:
+        sh = self.shadow
+        for b in list(sh.hashes):
+            sh.set_uncached(b)
+        for b in range(sh.num_blocks):
+            if sh.cached[b]:
+                sh.set_uncached(b)
+
+    # -- request lifecycle --------------------------------------------------
+    def on_request_released(self, rid: str, reason: str, site: str, final: bool = True) -> None:
+        """``rid``'s release path has run (finish, abort, preemption): it must
+        hold nothing.  ``final`` marks a request that will never come back
+        (not a preemption), so what it still holds is leaked for good."""
+        self.pending_release.pop(rid, None)
+        sh = self.shadow
+        if not sh.held.get(rid):
+            return
+        blocks = sh.blocks_of(rid)
+        if final:
+            sh.ended[rid] = (reason, self.step())
+        self._report(
+            kinds.LEAKED_BLOCKS,
+            f"request {rid} ({reason}) still holds {len(blocks)} block(s) after its "
+            "release path ran",
+            blocks, [rid], rid, site,
+        )
+
+    def on_request_pending_release(self, rid: str) -> None:
+        """``rid`` finished but the engine legally delays its free."""
+        self.pending_release.setdefault(rid, self.step())
+
+    def sweep(self, grace_steps: int, site: str = "kvsan.sweep") -> None:
+        """Delayed frees that outlived their grace period are leaks."""
+        if not self.pending_release:
+            return
+        now = self.step()
+        for rid, since in list(self.pending_release.items()):
+            if now - since > grace_steps:
+                self.on_request_released(rid, f"delayed free pending {now - since} steps", site)
+
+    # -- full audit ---------------------------------------------------------
+    def audit(
+        self,
+        refs: Sequence[int],
+        linked: Sequence[bool],
+        live_requests: set[str] | None,
+        site: str = "kvsan.audit",
+    ) -> int:
+        """Compare the whole table with the engine's view; returns findings.
+        ``live_requests``: requests the engine still tracks (None: unknown)."""
+        sh = self.shadow
+        found = 0
+        seen = self._audit_seen
+
+        def once(kind, b, owner, message, blocks, owners):
+            nonlocal found
+            key = (kind, b, owner)
+            if key in seen:
+                return
+            seen.add(key)
+            found += 1
+            self._report(kind, message, blocks, owners, None, site)
+
+        own0 = sh.own0
+        for b in range(sh.num_blocks):
+            if b in sh.null:
+                continue
+            ref = refs[b]
+            n = 0 if own0[b] is None else 1 + len(sh.more.get(b, ()))
+            if ref != n and b not in self._mismatched:
+                once(kinds.REFCOUNT_MISMATCH, b, ref,
+                     f"block {b}: engine ref count {ref} but {n} owner(s) hold it",
+                     [b], sh.owners(b))
+            if linked[b] and (ref != 0 or n):
+                once(kinds.FREE_QUEUE_CORRUPTION, b, ref,
+                     f"block {b} is in the free queue with ref count {ref} and {n} owner(s)",
+                     [b], sh.owners(b))
+            if not linked[b] and ref == 0 and n == 0:
+                once(kinds.LEAKED_BLOCKS, b, None,
+                     f"block {b} is neither free nor owned (orphan)", [b], [])
+        if live_requests is not None:
+            for owner in list(sh.held):
+                if owner in sh.nonrequest or owner in sh.ended or owner in live_requests:
+                    continue
+                blocks = sh.blocks_of(owner)
+                once(kinds.LEAKED_BLOCKS, None, owner,
+                     f"{owner} holds {len(blocks)} block(s) but the engine no longer "
+                     "tracks it", blocks, [owner])
+                sh.ended[owner] = ("unknown to the scheduler", self.step())
+        return found

@@ -1,0 +1,104 @@
+"""Environment variables -> one frozen :class:`Config`, with errors that say
+exactly which variable was wrong and what it accepts.
+
+kvsan is switched on from the environment only (no code change in the
+serving stack), so this module is the whole user interface of the switch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+MODES = ("log", "raise", "abort")
+#: Exit status of a process that kvsan ended in ``abort`` mode.  Distinct from
+#: Python's 1 and from signals, so CI can tell "kvsan found a bug" apart.
+ABORT_EXIT_CODE = 87
+
+_BOOL = {"1": True, "0": False, "": False}
+
+
+class ConfigError(ValueError):
+    """A KVSAN_* variable holds a value kvsan does not accept."""
+
+
+@dataclass(frozen=True)
+class Config:
+    enabled: bool = False
+    mode: str = "log"
+    report: str | None = None
+    strict: bool = False
+    #: full-table audit schedule: 0 = only when the engine goes idle,
+    #: N > 0 = additionally every N scheduler steps.
+    audit_every: int = 0
+    #: steps a finished request may keep blocks on a legal delayed-free path
+    #: (KV-connector transfer) before its blocks are reported as leaked.
+    leak_grace_steps: int = 1000
+    #: emit structlog JSON lines on stderr (one per violation)
+    log_events: bool = True
+
+
+def _flag(env, name: str) -> bool:
+    raw = env.get(name, "").strip()
+    if raw not in _BOOL:
+        raise ConfigError(f"{name}={raw!r} is not accepted; use 1 (on) or 0 (off)")
+    return _BOOL[raw]
+
+
+def _int(env, name: str, default: int, minimum: int = 0) -> int:
+    raw = env.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ConfigError(f"{name}={raw!r} is not accepted; use an integer >= {minimum}")
+    return value
+
+
+def check_report_path(path: str) -> None:
+    """Fail early when the report destination cannot be written."""
+    if path.endswith(os.sep) or os.path.isdir(path):
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"KVSAN_REPORT={path!r}: cannot create report directory ({e.strerror}); "
+                "accepted: a writable file path, or a directory (ending in '/') "
+                "for one file per process"
+            ) from None
+        if not os.access(path, os.W_OK):
+            raise ConfigError(f"KVSAN_REPORT={path!r}: directory is not writable")
+        return
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(
+            f"KVSAN_REPORT={path!r}: cannot open for append ({e.strerror}); "
+            "accepted: a writable file path, or a directory (ending in '/') "
+            "for one file per process"
+        ) from None
+
+
+def from_env(env=None) -> Config:
+    """Read the KVSAN_* variables.  Raises :class:`ConfigError` on any bad value."""
+    env = os.environ if env is None else env
+    enabled = _flag(env, "KVSAN")
+    mode = env.get("KVSAN_MODE", "log").strip() or "log"
+    if mode not in MODES:
+        raise ConfigError(f"KVSAN_MODE={mode!r} is not accepted; use one of {', '.join(MODES)}")
+    report = env.get("KVSAN_REPORT", "").strip() or None
+    if enabled and report:
+        check_report_path(report)
+    return Config(
+        enabled=enabled,
+        mode=mode,
+        report=report,
+        strict=_flag(env, "KVSAN_STRICT"),
+        audit_every=_int(env, "KVSAN_AUDIT_EVERY", 0),
+        leak_grace_steps=_int(env, "KVSAN_LEAK_GRACE_STEPS", 1000),
+        log_events=_flag(env, "KVSAN_LOG") if env.get("KVSAN_LOG", "").strip() else True,
+    )

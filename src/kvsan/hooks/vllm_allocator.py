@@ -1,0 +1,425 @@
+"""vLLM adapter, allocator side (EngineCore process).
+
+Observes ``BlockPool`` (allocate / touch / free / cache / evict / reset), the
+per-group ``SingleTypeKVCacheManager`` (which request an allocator call is
+for, copy-on-write, fenced frees) and the ``Scheduler`` (steps and the
+finish / abort / preemption release paths), and feeds
+:class:`kvsan.checks.AllocatorChecker`.
+
+Rules of this module: call the engine exactly as it was called (a one-shot
+iterable is materialised once and the list passed on), never change a return
+value, and in ``log`` mode never let a kvsan failure reach the engine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from .. import runtime as _rt
+from ..checks import AllocatorChecker
+from ..report import KVSanViolation
+from . import Target
+
+SUPPORTED = ("0.32",)
+_BP = "vllm.v1.core.block_pool"
+_STM = "vllm.v1.core.single_type_kv_cache_manager"
+_SCHED = "vllm.v1.core.sched.scheduler"
+
+
+def _site(depth: int = 2) -> str:
+    """'file.py:function:line' of the engine code that made the call."""
+    try:
+        f = sys._getframe(depth)
+    except ValueError:
+        return "?"
+    code = f.f_code
+    return f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{f.f_lineno}"
+
+
+def _guard(rt, where: str, fn, *args) -> None:
+    """Run a check; kvsan's own exceptions are counted, violations raised
+    only in raise/abort modes (the reporter decides)."""
+    try:
+        fn(*args)
+    except KVSanViolation:
+        raise
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        rt.reporter.internal_error(where, e)
+
+
+def _checker(pool):
+    rt = _rt.get()
+    if rt is None:
+        return None, None
+    return rt, rt.checkers.get(pool)
+
+
+# ---------------------------------------------------------------- BlockPool
+def _pool_init(wrapped, instance, args, kwargs):
+    wrapped(*args, **kwargs)
+    rt = _rt.get()
+    # only the device pool the scheduler allocates from; host/offload pools
+    # are managed by connectors with their own lifetimes
+    if rt is None or getattr(instance, "medium", "GPU") != "GPU":
+        return
+    null = getattr(instance, "null_block", None)
+    rt.checkers[instance] = AllocatorChecker(
+        instance.num_gpu_blocks,
+        emit=rt.reporter.emit,
+        step=rt.get_step,
+        null_blocks=(null.block_id,) if null is not None else (),
+    )
+
+
+def _get_new_blocks(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt, ck = _checker(instance)
+    if ck is not None:
+        site = _site()
+        owner = rt.current_owner()
+        if owner is None:
+            owner = f"anon:{site}"
+            ck.shadow.nonrequest.add(owner)
+        _guard(rt, "get_new_blocks", ck.on_allocate,
+               [(b.block_id, b.ref_cnt) for b in ret], owner, site)
+    return ret
+
+
+def _touch(wrapped, instance, args, kwargs):
+    rt, ck = _checker(instance)
+    if ck is None:
+        return wrapped(*args, **kwargs)
+    blocks = args[0] if args else kwargs["blocks"]
+    if not isinstance(blocks, (list, tuple)):
+        blocks = list(blocks)
+    ret = wrapped(blocks, *args[1:], **{k: v for k, v in kwargs.items() if k != "blocks"})
+    site = _site()
+    owner = rt.current_owner()
+    if owner is None:
+        owner = f"pin:{site}"
+        ck.shadow.nonrequest.add(owner)
+    _guard(rt, "touch", ck.on_share,
+           [(b.block_id, b.ref_cnt, b.prev_free_block is not None)
+            for b in blocks if not b.is_null], owner, site)
+    return ret
+
+
+def _release_obs(instance, blocks, pre):
+    """One observation per reference dropped, in call order; intermediate
+    counts are derived, the last one per block is what the engine shows."""
+    last = {}
+    for i, b in enumerate(blocks):
+        if b.block_id in pre:
+            last[b.block_id] = i
+    seen: dict[int, int] = {}
+    obs = []
+    for i, b in enumerate(blocks):
+        bid = b.block_id
+        if bid not in pre:
+            continue
+        ref0, linked0 = pre[bid]
+        k = seen.get(bid, 0)
+        seen[bid] = k + 1
+        before = ref0 - k
+        if last[bid] == i:
+            obs.append((bid, before, linked0 if k == 0 else False, b.ref_cnt,
+                        b.prev_free_block is not None))
+        else:
+            obs.append((bid, before, linked0 if k == 0 else False, before - 1, False))
+    return obs
+
+
+def _make_release(arg_name: str):
+    def _release(wrapped, instance, args, kwargs):
+        rt, ck = _checker(instance)
+        if ck is None:
+            return wrapped(*args, **kwargs)
+        if args:
+            blocks, rest, kw = list(args[0]), args[1:], kwargs
+        else:
+            blocks, rest = list(kwargs[arg_name]), ()
+            kw = {k: v for k, v in kwargs.items() if k != arg_name}
+        pre = {}
+        for b in blocks:
+            if (b.pool is None or b.pool is instance) and not b.is_null and b.block_id not in pre:
+                pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
+        ret = wrapped(blocks, *rest, **kw)
+        _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre),
+               rt.current_owner(), _site())
+        return ret
+
+    return _release
+
+
+def _cache_full_blocks(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt, ck = _checker(instance)
+    if ck is not None:
+        def note():
+            names = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
+            vals = dict(zip(names, args))
+            vals.update({k: kwargs[k] for k in names if k in kwargs})
+            blocks = vals["blocks"][vals["num_cached_blocks"]:vals["num_full_blocks"]]
+            ck.on_cached([(b.block_id, b.block_hash) for b in blocks
+                          if b.block_hash is not None and not b.is_null])
+        _guard(rt, "cache_full_blocks", note)
+    return ret
+
+
+def _cache_partial_block(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt, ck = _checker(instance)
+    if ck is not None:
+        block = args[1] if len(args) > 1 else kwargs["block"]
+        if block.block_hash is not None:
+            _guard(rt, "cache_partial_block", ck.on_cached, [(block.block_id, block.block_hash)])
+    return ret
+
+
+def _move_block_hashes(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt, ck = _checker(instance)
+    if ck is not None:
+        src = args[0] if args else kwargs["src_block"]
+        dst = args[1] if len(args) > 1 else kwargs["dst_block"]
+
+        def note():
+            ck.on_uncached([src.block_id])
+            ck.on_cached([(dst.block_id, dst.block_hash)])
+        _guard(rt, "move_block_hashes", note)
+    return ret
+
+
+def _evict_blocks(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt, ck = _checker(instance)
+    if ck is not None:
+        ids = args[0] if args else kwargs["block_ids"]
+        # legal even for in-use blocks: only the hash is dropped
+        _guard(rt, "evict_blocks", ck.on_uncached,
+               [i for i in ids if 0 <= i < len(instance.blocks)
+                and instance.blocks[i].block_hash is None])
+    return ret
+
+
+def _reset_prefix_cache(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt, ck = _checker(instance)
+    if ck is not None and ret:
+        _guard(rt, "reset_prefix_cache", ck.on_uncache_all)
+    return ret
+
+
+# ------------------------------------------------- SingleTypeKVCacheManager
+def _request_scoped(tag: str):
+    """Name the request an allocator call below this method is made for."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        rt = _rt.get()
+        if rt is None:
+            return wrapped(*args, **kwargs)
+        rid = args[0] if args else kwargs.get("request_id")
+        rt.owner_ctx.append((rid, tag))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            rt.owner_ctx.pop()
+
+    return wrapper
+
+
+_scoped_alloc = _request_scoped("alloc")
+
+
+def _manager_free(wrapped, instance, args, kwargs):
+    rt = _rt.get()
+    if rt is None:
+        return wrapped(*args, **kwargs)
+    rid = args[0] if args else kwargs["request_id"]
+    rt.owner_ctx.append((rid, "free"))
+    try:
+        ret = wrapped(*args, **kwargs)
+    finally:
+        rt.owner_ctx.pop()
+    ck = rt.checkers.get(instance.block_pool)
+    left = instance.req_to_blocks.get(rid)
+    if ck is not None and left:
+        _guard(rt, "free", ck.table_still_references, rid,
+               [b.block_id for b in left if not b.is_null], _site())
+    return ret
+
+
+def _pop_blocks_for_free(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    if rt is None:
+        return ret
+    rid = args[0] if args else kwargs["request_id"]
+    if rt.owner_ctx and rt.owner_ctx[-1] == (rid, "free"):
+        return ret  # popped to be freed right away by free()
+    ck = rt.checkers.get(instance.block_pool)
+    if ck is not None and ret:
+        # a fenced (deferred) free: the blocks stay referenced until drained
+        _guard(rt, "pop_blocks_for_free", ck.on_transfer,
+               [b.block_id for b in ret if not b.is_null], rid, f"deferred:{rid}", _site())
+    return ret
+
+
+def _apply_cow(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    ck = rt.checkers.get(instance.block_pool) if rt is not None else None
+    if ck is not None:
+        names = ("request_id", "block_idx", "source_block", "cow_block")
+        vals = dict(zip(names, args))
+        vals.update({k: kwargs[k] for k in names if k in kwargs})
+        rid, src, cow = vals["request_id"], vals["source_block"], vals["cow_block"]
+        site = _site()
+
+        def note():
+            # the request's hit reference on the source now belongs to the
+            # pending copy; the copy target gets one extra retention reference
+            ck.on_transfer([src.block_id], rid, f"cow:{rid}", site)
+            ck.on_retain(cow.block_id, cow.ref_cnt, f"cow:{rid}", site)
+        _guard(rt, "_apply_cow", note)
+    return ret
+
+
+# ---------------------------------------------------------------- Scheduler
+def _scheduler_checker(rt, sched):
+    try:
+        return rt.checkers.get(sched.kv_cache_manager.block_pool)
+    except AttributeError:
+        return None
+
+
+def audit_scheduler(rt, sched, site="kvsan.audit") -> int:
+    """Full audit of a scheduler's pool against the shadow table."""
+    ck = _scheduler_checker(rt, sched)
+    if ck is None:
+        return 0
+    blocks = sched.kv_cache_manager.block_pool.blocks
+    refs = [b.ref_cnt for b in blocks]
+    linked = [b.prev_free_block is not None for b in blocks]
+    return ck.audit(refs, linked, set(sched.requests), site)
+
+
+def _schedule(wrapped, instance, args, kwargs):
+    rt = _rt.get()
+    if rt is None:
+        return wrapped(*args, **kwargs)
+    rt.step += 1
+    ret = wrapped(*args, **kwargs)
+    ck = _scheduler_checker(rt, instance)
+    if ck is not None:
+        def after():
+            ck.sweep(rt.config.leak_grace_steps)
+            if rt.config.audit_every and rt.step % rt.config.audit_every == 0:
+                audit_scheduler(rt, instance)
+            if rt.metrics is not None:
+                rt.metrics.update_pool(ck.shadow.stats())
+        _guard(rt, "schedule", after)
+    return ret
+
+
+def _update_from_output(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    if rt is None:
+        return ret
+    idle = not instance.requests
+    if idle and not rt.idle_audited:
+        rt.idle_audited = True
+        _guard(rt, "idle_audit", audit_scheduler, rt, instance, "kvsan.idle_audit")
+        ck = _scheduler_checker(rt, instance)
+        if ck is not None and rt.metrics is not None:
+            _guard(rt, "metrics", rt.metrics.update_pool, ck.shadow.stats())
+    elif not idle:
+        rt.idle_audited = False
+    return ret
+
+
+def _status(request) -> str:
+    status = getattr(request, "status", None)
+    return getattr(status, "name", str(status)).lower()
+
+
+def _free_request(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None:
+        request = args[0] if args else kwargs["request"]
+        rid = request.request_id
+        if rid in instance.requests:
+            _guard(rt, "_free_request", ck.on_request_pending_release, rid)
+        else:
+            _guard(rt, "_free_request", ck.on_request_released, rid, _status(request), _site())
+    return ret
+
+
+def _free_blocks_of_request(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None:
+        request = args[0] if args else kwargs["request"]
+        _guard(rt, "_free_blocks", ck.on_request_released, request.request_id,
+               _status(request), _site())
+    return ret
+
+
+def _preempt_request(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None:
+        request = args[0] if args else kwargs["request"]
+        _guard(rt, "_preempt_request", ck.on_request_released, request.request_id,
+               "preempted", _site(), False)
+    return ret
+
+
+def _finish_requests(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None and ret:
+        site = _site()
+
+        def check():
+            for request in ret:
+                rid = request.request_id
+                if rid not in ck.pending_release:
+                    ck.on_request_released(rid, _status(request), site)
+        _guard(rt, "finish_requests", check)
+    return ret
+
+
+def targets() -> list[Target]:
+    return [
+        Target(_BP, "BlockPool.__init__", _pool_init),
+        Target(_BP, "BlockPool.get_new_blocks", _get_new_blocks),
+        Target(_BP, "BlockPool.touch", _touch),
+        Target(_BP, "BlockPool.free_blocks", _make_release("ordered_blocks")),
+        Target(_BP, "BlockPool.unpin_blocks", _make_release("blocks")),
+        Target(_BP, "BlockPool.cache_full_blocks", _cache_full_blocks),
+        Target(_BP, "BlockPool.cache_partial_block", _cache_partial_block),
+        Target(_BP, "BlockPool.move_block_hashes", _move_block_hashes),
+        Target(_BP, "BlockPool.evict_blocks", _evict_blocks),
+        Target(_BP, "BlockPool.reset_prefix_cache", _reset_prefix_cache),
+        Target(_STM, "SingleTypeKVCacheManager.add_local_computed_blocks", _scoped_alloc, True),
+        Target(_STM, "SingleTypeKVCacheManager.allocate_new_blocks", _scoped_alloc, True),
+        Target(_STM, "SingleTypeKVCacheManager.allocate_external_computed_blocks",
+               _scoped_alloc, True),
+        Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range", _scoped_alloc, True),
+        Target(_STM, "SingleTypeKVCacheManager.free", _manager_free, True),
+        Target(_STM, "SingleTypeKVCacheManager.pop_blocks_for_free", _pop_blocks_for_free, True),
+        Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
+        Target(_SCHED, "Scheduler.schedule", _schedule),
+        Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
+        Target(_SCHED, "Scheduler._free_request", _free_request),
+        Target(_SCHED, "Scheduler._free_blocks", _free_blocks_of_request),
+        Target(_SCHED, "Scheduler._preempt_request", _preempt_request),
+        Target(_SCHED, "Scheduler.finish_requests", _finish_requests),
+    ]

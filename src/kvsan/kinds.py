@@ -1,0 +1,31 @@
+"""Stable violation kind names.
+
+These strings are a public contract: they are the ``kind`` field of every
+report record and the ``kind`` label of ``kvsan_violations_total``.  Never
+rename one; add new kinds instead.
+"""
+
+FREE_WITH_LIVE_OWNERS = "free_with_live_owners"
+REUSE_WITH_LIVE_OWNERS = "reuse_with_live_owners"
+EVICT_WITH_LIVE_OWNERS = "evict_with_live_owners"
+DOUBLE_RELEASE = "double_release"
+REFCOUNT_UNDERFLOW = "refcount_underflow"
+INVALID_RELEASE = "invalid_release"
+REFCOUNT_MISMATCH = "refcount_mismatch"
+FREE_QUEUE_CORRUPTION = "free_queue_corruption"
+LEAKED_BLOCKS = "leaked_blocks"
+
+#: Every kind the allocator-side checks can emit, in report order.
+ALLOCATOR_KINDS = (
+    FREE_WITH_LIVE_OWNERS,
+    REUSE_WITH_LIVE_OWNERS,
+    EVICT_WITH_LIVE_OWNERS,
+    DOUBLE_RELEASE,
+    REFCOUNT_UNDERFLOW,
+    INVALID_RELEASE,
+    REFCOUNT_MISMATCH,
+    FREE_QUEUE_CORRUPTION,
+    LEAKED_BLOCKS,
+)
+
+ALL_KINDS = ALLOCATOR_KINDS

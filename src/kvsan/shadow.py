@@ -1,0 +1,193 @@
+"""The shadow ownership table: kvsan's own record of every KV block.
+
+Engine-agnostic: blocks are integer ids, owners are strings (a request id, or
+a non-request owner such as ``cow:<req>`` for copy-on-write retention,
+``deferred:<req>`` for a fenced free, ``pin:<site>`` for a connector pin).
+
+Layout is per-block arrays, not an object per block, so a 1M-block pool costs
+tens of bytes per block: the first owner of a block lives in ``own0``; the
+rare extra owners of a shared block live in ``more``.  Provenance of the last
+acquire and release is kept per block as (owner, step, interned call site).
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Iterable
+
+
+class ShadowTable:
+    def __init__(self, num_blocks: int, null_blocks: Iterable[int] = (0,)):
+        n = int(num_blocks)
+        self.num_blocks = n
+        self.null = frozenset(null_blocks)
+        self.own0: list[str | None] = [None] * n
+        self.more: dict[int, list[str]] = {}
+        self.cached = bytearray(n)
+        self.hashes: dict[int, bytes] = {}
+        self.acq_owner: list[str | None] = [None] * n
+        self.acq_step = array("i", bytes(4 * n))
+        self.acq_site = array("i", bytes(4 * n))
+        self.rel_owner: list[str | None] = [None] * n
+        self.rel_step = array("i", bytes(4 * n))
+        self.rel_site = array("i", bytes(4 * n))
+        self.sites: list[str] = ["?"]
+        self._site_ids: dict[str, int] = {"?": 0}
+        #: owner -> number of blocks it holds (only owners holding >= 1)
+        self.held: dict[str, int] = {}
+        #: requests whose release path ran while they still held blocks
+        self.ended: dict[str, tuple[str, int]] = {}
+        #: owners that are not requests (cow:, deferred:, pin:, anon:)
+        self.nonrequest: set[str] = set()
+        self.n_owned = 0
+        self.n_cached_free = 0
+
+    # -- interning ----------------------------------------------------------
+    def site_id(self, site: str | None) -> int:
+        if not site:
+            return 0
+        sid = self._site_ids.get(site)
+        if sid is None:
+            sid = self._site_ids[site] = len(self.sites)
+            self.sites.append(site)
+        return sid
+
+    # -- owners -------------------------------------------------------------
+    def owners(self, b: int) -> list[str]:
+        o = self.own0[b]
+        if o is None:
+            return []
+        extra = self.more.get(b)
+        return [o, *extra] if extra else [o]
+
+    def live_owners(self, b: int) -> list[str]:
+        ended = self.ended
+        return [o for o in self.owners(b) if o not in ended]
+
+    def num_owners(self, b: int) -> int:
+        if self.own0[b] is None:
+            return 0
+        extra = self.more.get(b)
+        return 1 + len(extra) if extra else 1
+
+    def is_owner(self, b: int, owner: str) -> bool:
+        if self.own0[b] == owner:
+            return True
+        extra = self.more.get(b)
+        return bool(extra) and owner in extra
+
+    def add_owner(self, b: int, owner: str) -> None:
+        if self.own0[b] is None:
+            self.own0[b] = owner
+            self.n_owned += 1
+            if self.cached[b]:
+                self.n_cached_free -= 1
+        else:
+            self.more.setdefault(b, []).append(owner)
+        self.held[owner] = self.held.get(owner, 0) + 1
+
+    def remove_owner(self, b: int, owner: str) -> bool:
+        """Drop one reference of ``owner`` on ``b``; False if it held none."""
+        if self.own0[b] == owner:
+            extra = self.more.get(b)
+            if extra:
+                self.own0[b] = extra.pop()
+                if not extra:
+                    del self.more[b]
+            else:
+                self.own0[b] = None
+                self.n_owned -= 1
+                if self.cached[b]:
+                    self.n_cached_free += 1
+        else:
+            extra = self.more.get(b)
+            if not extra or owner not in extra:
+                return False
+            extra.remove(owner)
+            if not extra:
+                del self.more[b]
+        left = self.held[owner] - 1
+        if left:
+            self.held[owner] = left
+        else:
+            del self.held[owner]
+            self.ended.pop(owner, None)
+            self.nonrequest.discard(owner)
+        return True
+
+    def clear_owners(self, b: int) -> list[str]:
+        dropped = self.owners(b)
+        for o in dropped:
+            self.remove_owner(b, o)
+        return dropped
+
+    def blocks_of(self, owner: str) -> list[int]:
+        """All blocks ``owner`` holds.  O(pool): used on violation paths and
+        by on-demand queries only, never per step."""
+        out = [b for b, o in enumerate(self.own0) if o == owner]
+        out += [b for b, extra in self.more.items() if owner in extra]
+        return sorted(out)
+
+    # -- cache state --------------------------------------------------------
+    def set_cached(self, b: int, key: bytes | None) -> None:
+        if not self.cached[b]:
+            self.cached[b] = 1
+            if self.own0[b] is None:
+                self.n_cached_free += 1
+        if key is not None:
+            self.hashes[b] = key
+
+    def set_uncached(self, b: int) -> None:
+        if self.cached[b]:
+            self.cached[b] = 0
+            if self.own0[b] is None:
+                self.n_cached_free -= 1
+        self.hashes.pop(b, None)
+
+    # -- provenance ---------------------------------------------------------
+    def note_acquire(self, b: int, owner: str, step: int, site: int) -> None:
+        self.acq_owner[b] = owner
+        self.acq_step[b] = step
+        self.acq_site[b] = site
+
+    def note_release(self, b: int, owner: str, step: int, site: int) -> None:
+        self.rel_owner[b] = owner
+        self.rel_step[b] = step
+        self.rel_site[b] = site
+
+    def describe(self, b: int) -> dict:
+        """Token-free description of a block for a report record."""
+        key = self.hashes.get(b)
+        return {
+            "block": b,
+            "owners": self.owners(b),
+            "state": self.state(b),
+            "hash": key.hex()[:16] if key else None,
+            "last_acquire": {
+                "owner": self.acq_owner[b],
+                "step": self.acq_step[b],
+                "site": self.sites[self.acq_site[b]],
+            },
+            "last_release": {
+                "owner": self.rel_owner[b],
+                "step": self.rel_step[b],
+                "site": self.sites[self.rel_site[b]],
+            },
+        }
+
+    def state(self, b: int) -> str:
+        if self.own0[b] is not None:
+            return "owned"
+        return "cached_evictable" if self.cached[b] else "free"
+
+    def stats(self) -> dict[str, int]:
+        usable = self.num_blocks - len(self.null)
+        leaked = sum(self.held.get(r, 0) for r in self.ended)
+        requests = sum(1 for o in self.held if o not in self.nonrequest and o not in self.ended)
+        return {
+            "live_owned": self.n_owned,
+            "cached_evictable": self.n_cached_free,
+            "free": usable - self.n_owned - self.n_cached_free,
+            "leaked": leaked,
+            "tracked_requests": requests,
+        }
