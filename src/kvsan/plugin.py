@@ -84,4 +84,11 @@ def register() -> None:
     cfg = _config.from_env()
     if not cfg.enabled:
         return
-    install(cfg)
+    already = _rt.get() is not None and _rt.get().pid == os.getpid()
+    rt = install(cfg)
+    fault = os.environ.get("KVSAN_INJECT", "").strip()
+    if fault and not already and rt.role != "worker":
+        from . import faults
+
+        faults.inject(fault)
+        rt.reporter.event("kvsan.fault_injected", fault=fault, pid=os.getpid(), role=rt.role)

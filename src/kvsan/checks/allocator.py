@@ -160,9 +160,12 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
+        in_call: set[int] = set()
         for b, ref_before, linked_before, ref_after, linked_after in obs:
             if b in sh.null:
                 continue
+            repeated = b in in_call
+            in_call.add(b)
             releaser = self.resolve_releaser(b, actor)
             if ref_after < 0:
                 self._report(
@@ -172,7 +175,7 @@ class AllocatorChecker:
                     [b], [releaser], releaser, site,
                 )
             if not sh.remove_owner(b, releaser):
-                if sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED:
+                if repeated or (sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED):
                     self._report(
                         kinds.DOUBLE_RELEASE,
                         f"{releaser} released block {b} twice (first at step {sh.rel_step[b]} "
@@ -268,8 +271,8 @@ class AllocatorChecker:
         (not a preemption), so what it still holds is leaked for good."""
         self.pending_release.pop(rid, None)
         sh = self.shadow
-        if not sh.held.get(rid):
-            return
+        if not sh.held.get(rid) or rid in sh.ended:
+            return  # clean, or this leak is already reported
         blocks = sh.blocks_of(rid)
         if final:
             sh.ended[rid] = (reason, self.step())

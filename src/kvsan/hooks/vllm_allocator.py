@@ -24,6 +24,7 @@ SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
 _SCHED = "vllm.v1.core.sched.scheduler"
+_KVM = "vllm.v1.core.kv_cache_manager"
 
 
 def _site(depth: int = 2) -> str:
@@ -231,6 +232,24 @@ def _request_scoped(tag: str):
 _scoped_alloc = _request_scoped("alloc")
 
 
+def _kvm_request_scoped(tag: str):
+    """Same, one level up (``KVCacheManager`` takes the Request): a second,
+    independent source of attribution if a per-group manager is replaced."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        rt = _rt.get()
+        if rt is None:
+            return wrapped(*args, **kwargs)
+        request = args[0] if args else kwargs["request"]
+        rt.owner_ctx.append((request.request_id, tag))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            rt.owner_ctx.pop()
+
+    return wrapper
+
+
 def _manager_free(wrapped, instance, args, kwargs):
     rt = _rt.get()
     if rt is None:
@@ -416,6 +435,8 @@ def targets() -> list[Target]:
         Target(_STM, "SingleTypeKVCacheManager.free", _manager_free, True),
         Target(_STM, "SingleTypeKVCacheManager.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
+        Target(_KVM, "KVCacheManager.allocate_slots", _kvm_request_scoped("alloc")),
+        Target(_KVM, "KVCacheManager.free", _kvm_request_scoped("free")),
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),

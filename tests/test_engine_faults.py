@@ -1,0 +1,223 @@
+"""Every violation kind, injected into vLLM's real BlockPool / KVCacheManager.
+Each test asserts the exact kind, block and owner; the clean scenarios assert
+zero violations."""
+
+import pytest
+
+from conftest import kinds_of, only
+from vllm_objects import make_manager, make_request, schedule
+
+pytestmark = pytest.mark.engine
+
+PREFIX = list(range(48))  # three full blocks of 16
+
+
+def shared_pair(m):
+    a = make_request(PREFIX + [1000, 1001], "A")
+    b = make_request(PREFIX + [2000, 2001], "B")
+    assert schedule(m, a) == 0
+    assert schedule(m, b) == 48
+    shared = m.get_block_ids("A")[0][:3]
+    assert shared == m.get_block_ids("B")[0][:3]
+    return a, b, shared
+
+
+def finish(m, req):
+    from vllm.v1.request import RequestStatus
+
+    req.status = RequestStatus.FINISHED_STOPPED
+    m.free(req)
+
+
+def test_clean_share_finish_reuse(rt):
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    finish(m, a)
+    finish(m, b)
+    # revival of cached free blocks by a prefix hit, and LIFO reuse
+    c = make_request(PREFIX + [3000], "C")
+    assert schedule(m, c) == 48
+    d = make_request(list(range(5000, 5100)), "D")  # forces eviction of cached blocks
+    schedule(m, d)
+    finish(m, c)
+    finish(m, d)
+    assert kinds_of(rt) == []
+    ck = rt.checkers[m.block_pool]
+    assert ck.shadow.stats()["live_owned"] == 0
+
+
+def test_free_with_live_owners(rt):
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    blk = m.block_pool.blocks[shared[0]]
+    blk.ref_cnt -= 1  # stray decrement (a lost reference)
+    finish(m, a)  # A's legal release now sends the block B reads to the free queue
+    v = only(rt, "free_with_live_owners")[0]
+    assert v.blocks == [shared[0]] and v.owners == ["B"] and v.actor == "A"
+    assert v.details[0]["last_acquire"]["owner"] in ("A", "B")
+
+
+def test_reuse_and_evict_with_live_owners(rt):
+    m = make_manager(7)  # 6 usable blocks: A takes 4, B 1
+    a, b, shared = shared_pair(m)
+    for bid in shared:
+        m.block_pool.blocks[bid].ref_cnt -= 1
+    finish(m, a)
+    rt.clear()
+    # allocation pressure: C takes every free block, including B's prefix
+    c = make_request(list(range(7000, 7000 + 16 * 5)), "C")
+    schedule(m, c)
+    reuse = only(rt, "reuse_with_live_owners")
+    assert {v.blocks[0] for v in reuse} == set(shared)
+    assert all(v.owners == ["B"] and v.actor == "C" for v in reuse)
+    evict = only(rt, "evict_with_live_owners")
+    assert {v.blocks[0] for v in evict} == set(shared)  # they were cached
+    assert all(v.owners == ["B"] for v in evict)
+
+
+def test_evict_blocks_of_in_use_block_is_legal(rt):
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    m.evict_blocks(set(shared))  # failed KV load path: hash dropped, blocks kept
+    finish(m, a)
+    finish(m, b)
+    assert kinds_of(rt) == []
+
+
+def test_double_release(rt):
+    m = make_manager(12)
+    a = make_request(list(range(40)), "A")
+    schedule(m, a)
+    blocks = m.get_blocks("A").blocks[0]
+    m.block_pool.free_blocks([blocks[0], blocks[0]])  # one block, released twice
+    kinds = kinds_of(rt)
+    assert "double_release" in kinds and "refcount_underflow" in kinds
+    v = only(rt, "double_release")[0]
+    assert v.blocks == [blocks[0].block_id]
+
+
+def test_double_release_by_request(rt):
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    blocks = list(m.get_blocks("A").blocks[0])
+    finish(m, a)
+    rt.clear()
+    # A's release path runs again (cancel racing the normal finish)
+    from kvsan import current_runtime
+
+    current_runtime().owner_ctx.append(("A", "free"))
+    try:
+        m.block_pool.free_blocks(reversed(blocks))
+    finally:
+        current_runtime().owner_ctx.pop()
+    dbl = only(rt, "double_release")
+    assert {v.blocks[0] for v in dbl} == {b.block_id for b in blocks}
+    assert all(v.owners == ["A"] and v.actor == "A" for v in dbl)
+    fwl = only(rt, "free_with_live_owners")
+    assert {v.blocks[0] for v in fwl} == set(shared)
+    assert all(v.owners == ["B"] for v in fwl)
+
+
+def test_refcount_underflow(rt):
+    m = make_manager(12)
+    a = make_request(list(range(40)), "A")
+    schedule(m, a)
+    blk = m.get_blocks("A").blocks[0][0]
+    finish(m, a)
+    rt.clear()
+    m.block_pool.free_blocks(iter([blk]))  # one-shot iterator, as vLLM passes
+    v = only(rt, "refcount_underflow")[0]
+    assert v.blocks == [blk.block_id] and blk.ref_cnt == -1
+
+
+def test_invalid_release(rt):
+    m = make_manager(12)
+    a = make_request(list(range(40)), "A")
+    c = make_request(list(range(100, 140)), "C")
+    schedule(m, a)
+    schedule(m, c)
+    a_block = m.get_blocks("A").blocks[0][1]
+    from kvsan import current_runtime
+
+    current_runtime().owner_ctx.append(("C", "free"))  # C releases A's block
+    try:
+        m.block_pool.free_blocks([a_block])
+    finally:
+        current_runtime().owner_ctx.pop()
+    v = only(rt, "invalid_release")[0]
+    assert v.blocks == [a_block.block_id] and v.owners == ["C"] and v.actor == "C"
+    fwl = only(rt, "free_with_live_owners")[0]
+    assert fwl.owners == ["A"]
+
+
+def test_refcount_mismatch(rt):
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    m.block_pool.blocks[shared[1]].ref_cnt += 1  # a reference nobody took
+    c = make_request(PREFIX + [4000], "C")
+    schedule(m, c)  # C hits the prefix: the count is checked at the touch
+    v = only(rt, "refcount_mismatch")[0]
+    assert v.blocks == [shared[1]] and set(v.owners) == {"A", "B", "C"}
+
+
+def test_free_queue_corruption_insert_twice(rt):
+    m = make_manager(12)
+    a = make_request(list(range(40)), "A")
+    schedule(m, a)
+    blk = m.get_blocks("A").blocks[0][0]
+    finish(m, a)
+    rt.clear()
+    blk.ref_cnt = 1  # corrupt: a free block that claims a reference
+    m.block_pool.free_blocks([blk])
+    assert "free_queue_corruption" in kinds_of(rt)
+    assert only(rt, "free_queue_corruption")[0].blocks == [blk.block_id]
+
+
+def test_free_queue_corruption_referenced_block_in_queue(rt):
+    m = make_manager(12)
+    a = make_request(PREFIX + [1], "A")
+    schedule(m, a)
+    finish(m, a)
+    rt.clear()
+    pool = m.block_pool
+    original = pool.free_block_queue.remove
+    pool.free_block_queue.remove = lambda block: None  # touch forgets to unlink
+    try:
+        b = make_request(PREFIX + [2], "B")
+        schedule(m, b)
+    finally:
+        pool.free_block_queue.remove = original
+    v = only(rt, "free_queue_corruption")
+    assert all(x.owners == ["B"] for x in v)
+    assert len(v) == 3
+
+
+def test_leaked_blocks_on_abort(rt):
+    from kvsan import faults
+
+    faults.inject("leak_on_abort")
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    from vllm.v1.request import RequestStatus
+
+    a.status = RequestStatus.FINISHED_ABORTED
+    m.free(a)  # the buggy cancel path returns nothing
+    ck = rt.checkers[m.block_pool]
+    ck.on_request_released("A", "finished_aborted", "test")  # what the scheduler hook does
+    v = only(rt, "leaked_blocks")[0]
+    assert v.owners == ["A"] and set(v.blocks) == set(m.get_block_ids("A")[0])
+
+
+def test_cow_partial_hit_is_legal(rt):
+    """Copy-on-write retention: a partial prefix hit retains the source and
+    the copy until the worker has run the copy."""
+    m = make_manager(16)
+    a = make_request(PREFIX + list(range(500, 510)), "A")
+    schedule(m, a)
+    b = make_request(PREFIX + [9000] * 20, "B")
+    schedule(m, b)
+    copies, retained = m.take_kv_cache_block_copies()
+    m.block_pool.free_blocks(retained)
+    finish(m, a)
+    finish(m, b)
+    assert kinds_of(rt) == []
