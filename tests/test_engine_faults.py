@@ -221,3 +221,74 @@ def test_cow_partial_hit_is_legal(rt):
     finish(m, a)
     finish(m, b)
     assert kinds_of(rt) == []
+
+
+def test_raise_mode_raises_at_the_faulty_call(rt):
+    from kvsan import KVSanViolation
+
+    m = make_manager(12)
+    a, b, shared = shared_pair(m)
+    m.block_pool.blocks[shared[0]].ref_cnt -= 1
+    rt.reporter.config = rt.reporter.config.__class__(enabled=True, mode="raise",
+                                                      log_events=False)
+    try:
+        with pytest.raises(KVSanViolation) as e:
+            finish(m, a)
+    finally:
+        rt.reporter.config = rt.reporter.config.__class__(enabled=True, log_events=False)
+    assert e.value.violation.kind == "free_with_live_owners"
+    assert e.value.violation.owners == ["B"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_clean_sequences(rt, seed):
+    """allocate / share / finish / abort / preempt+resume / evict / reset on
+    vLLM's real manager: zero violations, and the full audit agrees."""
+    import random
+
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    m = make_manager(24)
+    prefixes = [[rng.randrange(1, 400) for _ in range(16 * rng.randint(1, 3))] for _ in range(3)]
+    live = {}
+    for i in range(120):
+        op = rng.random()
+        if op < 0.45 or not live:
+            toks = rng.choice(prefixes) + [rng.randrange(1, 400) for _ in range(rng.randint(1, 30))]
+            r = make_request(toks)
+            computed, hit = m.get_computed_blocks(r)[:2]
+            if m.allocate_slots(r, r.num_tokens - hit, hit, computed) is None:
+                continue  # pool full: vLLM touched nothing
+            r.num_computed_tokens = r.num_tokens
+            live[r.request_id] = r
+            _, retained = m.take_kv_cache_block_copies()
+            if retained:
+                m.block_pool.free_blocks(retained)
+        elif op < 0.6:  # decode one token: may need a new block
+            r = live[rng.choice(list(live))]
+            r.append_output_token_ids(rng.randrange(1, 400))
+            if m.allocate_slots(r, 1) is not None:
+                r.num_computed_tokens += 1
+        elif op < 0.75:  # preempt then resume through a prefix hit
+            r = live.pop(rng.choice(list(live)))
+            m.free(r)
+            rt.checkers[m.block_pool].on_request_released(r.request_id, "preempted", "t", False)
+            r.num_computed_tokens = 0
+        elif op < 0.95:
+            r = live.pop(rng.choice(list(live)))
+            r.status = rng.choice([RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_ABORTED])
+            m.free(r)
+            rt.checkers[m.block_pool].on_request_released(r.request_id, "finished", "t")
+        else:
+            m.evict_blocks({rng.randrange(1, 24)})
+    for r in live.values():
+        m.free(r)
+    assert m.reset_prefix_cache()
+    ck = rt.checkers[m.block_pool]
+    pool = m.block_pool
+    found = ck.audit([b.ref_cnt for b in pool.blocks],
+                     [b.prev_free_block is not None for b in pool.blocks], set())
+    assert found == 0 and kinds_of(rt) == []
+    assert ck.shadow.stats() == {"live_owned": 0, "cached_evictable": 0, "free": 23,
+                                 "leaked": 0, "tracked_requests": 0}

@@ -167,13 +167,6 @@ class AllocatorChecker:
             repeated = b in in_call
             in_call.add(b)
             releaser = self.resolve_releaser(b, actor)
-            if ref_after < 0:
-                self._report(
-                    kinds.REFCOUNT_UNDERFLOW,
-                    f"block {b} released by {releaser} with no reference left "
-                    f"(engine ref count {ref_before} -> {ref_after})",
-                    [b], [releaser], releaser, site,
-                )
             if not sh.remove_owner(b, releaser):
                 if repeated or (sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED):
                     self._report(
@@ -188,6 +181,13 @@ class AllocatorChecker:
                         f"{releaser} released block {b}, which it never acquired",
                         [b], [releaser], releaser, site,
                     )
+            if ref_after < 0:
+                self._report(
+                    kinds.REFCOUNT_UNDERFLOW,
+                    f"block {b} released by {releaser} with no reference left "
+                    f"(engine ref count {ref_before} -> {ref_after})",
+                    [b], [releaser], releaser, site,
+                )
             sh.note_release(b, releaser, step, sid)
             if ref_after == 0 and linked_after:
                 if linked_before:

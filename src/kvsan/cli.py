@@ -1,0 +1,72 @@
+"""The ``kvsan`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import Counter, defaultdict
+
+from .kinds import ALL_KINDS
+from .reportfile import ReportError, read_records
+
+
+def summarize(records: list[dict], out=sys.stdout) -> int:
+    """Print a table by kind; return the number of violations."""
+    viol = [r for r in records if r["record"] == "violation"]
+    procs = {(r.get("role"), r.get("pid")) for r in records if r.get("event") == "kvsan.installed"}
+    counts = Counter(r["kind"] for r in viol)
+    first: dict[str, dict] = {}
+    blocks: dict[str, set] = defaultdict(set)
+    for r in viol:
+        first.setdefault(r["kind"], r)
+        blocks[r["kind"]].update(r.get("blocks") or ())
+    print(f"kvsan report: {len(viol)} violation(s) from {len(procs)} process(es)", file=out)
+    if not viol:
+        return 0
+    order = [k for k in ALL_KINDS if k in counts] + sorted(set(counts) - set(ALL_KINDS))
+    print(f"  {'kind':<24} {'count':>6} {'blocks':>7}  first", file=out)
+    for kind in order:
+        r = first[kind]
+        where = f"step {r.get('step')} {r.get('role')}:{r.get('pid')} at {r.get('site')}"
+        print(f"  {kind:<24} {counts[kind]:>6} {len(blocks[kind]):>7}  {where}", file=out)
+        print(f"  {'':<24} {'':>6} {'':>7}  {r.get('message', '')}", file=out)
+    return len(viol)
+
+
+def cmd_check(args) -> int:
+    try:
+        records = read_records(args.report)
+    except ReportError as e:
+        print(f"kvsan check: {e}", file=sys.stderr)
+        return 2
+    return 1 if summarize(records) else 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import main as demo_main
+
+    return demo_main(args)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kvsan", description="KV-cache sanitizer for vLLM")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="summarize a JSONL report; exit 1 on any violation")
+    c.add_argument("report", help="report file, or directory of per-process reports")
+    c.set_defaults(func=cmd_check)
+    d = sub.add_parser("demo", help="run shared-prefix traffic on the real engine, clean "
+                                    "and with an injected fault, and show what kvsan finds")
+    d.add_argument("--model", help="model directory (default: the generated tiny Llama)")
+    d.add_argument("--inject", default="double_unref_on_abort",
+                   help="built-in fault for the second run")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--in-process", action="store_true",
+                   help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (one process)")
+    d.add_argument("--workdir", help="where reports go (default: a temp dir)")
+    d.set_defaults(func=cmd_demo)
+    args = p.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The switch and its configuration: bad values fail at start, naming the
+variable and what it accepts; KVSAN unset patches nothing."""
+
+import subprocess
+import sys
+
+import pytest
+
+from kvsan.config import ConfigError, from_env
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"KVSAN": "yes"}, "KVSAN='yes'"),
+    ({"KVSAN": "1", "KVSAN_MODE": "panic"}, "KVSAN_MODE='panic' is not accepted; use one of log, raise, abort"),
+    ({"KVSAN": "1", "KVSAN_STRICT": "2"}, "KVSAN_STRICT"),
+    ({"KVSAN": "1", "KVSAN_AUDIT_EVERY": "-3"}, "KVSAN_AUDIT_EVERY"),
+    ({"KVSAN": "1", "KVSAN_REPORT": "/proc/nope/report.jsonl"}, "KVSAN_REPORT"),
+])
+def test_bad_values_name_the_variable(env, needle):
+    with pytest.raises(ConfigError) as e:
+        from_env(env)
+    assert needle in str(e.value)
+
+
+def test_defaults():
+    cfg = from_env({})
+    assert not cfg.enabled and cfg.mode == "log" and cfg.report is None
+
+
+def _run(code, **env):
+    import os
+
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True)
+
+
+def test_off_patches_nothing():
+    code = (
+        "import kvsan.plugin as p; p.register();"
+        "from vllm.v1.core.block_pool import BlockPool; import wrapt;"
+        "print(isinstance(BlockPool.__dict__['free_blocks'], wrapt.FunctionWrapper))"
+    )
+    assert _run(code).stdout.strip().endswith("False")
+    assert _run(code, KVSAN="0").stdout.strip().endswith("False")
+    assert _run(code, KVSAN="1", KVSAN_LOG="0").stdout.strip().endswith("True")
+
+
+def test_register_is_idempotent():
+    code = (
+        "import kvsan.plugin as p; p.register(); p.register();"
+        "from vllm.v1.core.block_pool import BlockPool;"
+        "f = BlockPool.__dict__['free_blocks'];"
+        "print(type(f.__wrapped__).__name__)"
+    )
+    out = _run(code, KVSAN="1", KVSAN_LOG="0")
+    assert out.stdout.strip().endswith("function"), out.stderr[-1000:]
+
+
+def test_invalid_env_fails_vllm_start():
+    out = _run("import kvsan.plugin as p; p.register()", KVSAN="1", KVSAN_MODE="loud")
+    assert out.returncode != 0 and "KVSAN_MODE='loud'" in out.stderr
+
+
+def test_strict_refuses_missing_hooks():
+    code = (
+        "import vllm.v1.core.block_pool as bp; del bp.BlockPool.touch;"
+        "import kvsan.plugin as p; p.register()"
+    )
+    out = _run(code, KVSAN="1", KVSAN_STRICT="1", KVSAN_LOG="0")
+    assert out.returncode != 0
+    assert "KVSAN_STRICT=1 refuses to start" in out.stderr
+    assert "vllm.v1.core.block_pool.BlockPool.touch" in out.stderr
+    # without strict: runs, and the installed event names the missing hook
+    out = _run(code, KVSAN="1")
+    assert out.returncode == 0
+    assert "BlockPool.touch" in out.stderr and "missing" in out.stderr

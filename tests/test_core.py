@@ -1,0 +1,130 @@
+"""The engine-agnostic core, fed events directly (no vLLM import)."""
+
+import json
+
+import pytest
+
+from kvsan import kinds
+from kvsan.checks import AllocatorChecker
+from kvsan.config import Config
+from kvsan.report import JsonlSink, KVSanViolation, Reporter
+
+
+def checker(n=8):
+    out = []
+    ck = AllocatorChecker(n, emit=out.append, null_blocks=(0,))
+    return ck, out
+
+
+def test_share_release_cycle_is_clean():
+    ck, out = checker()
+    ck.on_allocate([(1, 1), (2, 1)], "A", "s")
+    ck.on_share([(1, 2, False)], "B", "s")
+    ck.on_release([(2, 1, False, 0, True), (1, 2, False, 1, False)], "A", "s")
+    ck.on_release([(1, 1, False, 0, True)], "B", "s")
+    assert out == []
+    assert ck.shadow.stats()["live_owned"] == 0
+
+
+def test_free_with_live_owner_names_block_owner_and_provenance():
+    ck, out = checker()
+    ck.on_allocate([(3, 1)], "A", "alloc.py:f:1")
+    ck.on_share([(3, 2, False)], "B", "touch.py:g:2")
+    ck.on_release([(3, 1, False, 0, True)], "A", "free.py:h:3")  # engine lost a ref
+    kinds_ = [v.kind for v in out]
+    assert kinds.FREE_WITH_LIVE_OWNERS in kinds_
+    v = next(v for v in out if v.kind == kinds.FREE_WITH_LIVE_OWNERS)
+    assert v.blocks == [3] and v.owners == ["B"] and v.actor == "A"
+    d = v.details[0]
+    assert d["last_acquire"] == {"owner": "B", "step": 0, "site": "touch.py:g:2"}
+    assert d["last_release"]["site"] == "free.py:h:3"
+
+
+def test_null_block_is_ignored():
+    ck, out = checker()
+    ck.on_share([(0, 7, False)], "A", "s")
+    ck.on_release([(0, 7, False, -3, False)], "A", "s")
+    assert out == []
+
+
+def test_leak_reported_once():
+    ck, out = checker()
+    ck.on_allocate([(1, 1), (2, 1)], "A", "s")
+    ck.on_request_released("A", "finished_aborted", "s")
+    ck.on_request_released("A", "finished_aborted", "s")
+    assert [v.kind for v in out] == [kinds.LEAKED_BLOCKS]
+    assert out[0].blocks == [1, 2] and out[0].owners == ["A"]
+    assert ck.shadow.stats()["leaked"] == 2
+
+
+def test_preempted_request_holding_blocks_is_a_leak_but_can_resume():
+    ck, out = checker()
+    ck.on_allocate([(1, 1)], "A", "s")
+    ck.on_request_released("A", "preempted", "s", final=False)
+    assert [v.kind for v in out] == [kinds.LEAKED_BLOCKS]
+    assert "A" not in ck.shadow.ended
+
+
+def test_delayed_free_grace():
+    ck, out = checker()
+    steps = [0]
+    ck.step = lambda: steps[0]
+    ck.on_allocate([(1, 1)], "A", "s")
+    ck.on_request_pending_release("A")
+    steps[0] = 5
+    ck.sweep(grace_steps=10)
+    assert out == []
+    steps[0] = 20
+    ck.sweep(grace_steps=10)
+    assert [v.kind for v in out] == [kinds.LEAKED_BLOCKS]
+
+
+def test_audit_finds_orphans_and_unknown_owners():
+    ck, out = checker(4)
+    ck.on_allocate([(1, 1)], "A", "s")
+    refs = [0, 1, 0, 0]
+    linked = [False, False, True, False]  # block 3: neither free nor owned
+    ck.audit(refs, linked, live_requests=set())
+    got = {(v.kind, tuple(v.blocks), tuple(v.owners)) for v in out}
+    assert (kinds.LEAKED_BLOCKS, (3,), ()) in got
+    assert (kinds.LEAKED_BLOCKS, (1,), ("A",)) in got
+    n = len(out)
+    ck.audit(refs, linked, live_requests=set())
+    assert len(out) == n  # audit findings are not repeated
+
+
+def test_shadow_memory_is_arrays():
+    ck, _ = checker(100_000)
+    import sys
+
+    sh = ck.shadow
+    per_block = sum(sys.getsizeof(x) for x in (
+        sh.own0, sh.cached, sh.acq_owner, sh.acq_step, sh.acq_site,
+        sh.rel_owner, sh.rel_step, sh.rel_site)) / 100_000
+    assert per_block <= 64
+
+
+def test_reporter_modes_and_jsonl(tmp_path):
+    path = tmp_path / "r.jsonl"
+    rep = Reporter(Config(enabled=True, mode="raise", report=str(path), log_events=False), "engine")
+    ck = AllocatorChecker(4, emit=rep.emit)
+    ck.on_allocate([(1, 1)], "A", "s")
+    with pytest.raises(KVSanViolation) as e:
+        ck.on_release([(1, 1, False, 0, True), (1, 0, False, -1, False)], "A", "s")
+    assert e.value.violation.kind == kinds.DOUBLE_RELEASE
+    rec = json.loads(path.read_text().splitlines()[0])  # flushed before raising
+    assert rec["record"] == "violation" and rec["kind"] == kinds.DOUBLE_RELEASE
+    assert rec["blocks"] == [1] and rec["owners"] == ["A"]
+
+
+def test_log_mode_counts_internal_errors_without_raising():
+    rep = Reporter(Config(enabled=True, log_events=False), "engine")
+    rep.internal_error("x", RuntimeError("boom"))
+    assert rep.internal_errors == 1
+
+
+def test_jsonl_directory_is_one_file_per_process(tmp_path):
+    sink = JsonlSink(str(tmp_path) + "/", "engine")
+    sink.write({"record": "event"})
+    files = list(tmp_path.iterdir())
+    assert len(files) == 1 and files[0].name.startswith("kvsan-engine-")

@@ -1,0 +1,79 @@
+"""The real engine on the tiny model, kvsan loaded through the
+``vllm.general_plugins`` entry point, in the default multi-process mode
+(kvsan in the spawned EngineCore) and in-process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvsan.config import ABORT_EXIT_CODE
+from kvsan.demo import run_once
+from kvsan.reportfile import read_records, violations
+from kvsan.tinymodel import ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="session")
+def model():
+    return ensure_tiny_model()
+
+
+def kvsan_check(path):
+    return subprocess.run([sys.executable, "-m", "kvsan.cli", "check", path],
+                          capture_output=True, text=True)
+
+
+def roles(path):
+    return {r["role"] for r in read_records(path) if r.get("event") == "kvsan.installed"}
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["multiprocess", "inprocess"])
+def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
+    rc, stats = run_once(model, str(tmp_path), seed=1, inject=None, in_process=in_process)
+    assert rc == 0, stats
+    assert stats["finished"] > 0 and stats["aborted"] > 0
+    assert stats["prefix_hit_rate"] > 0.2  # prefixes really were shared
+    assert violations(str(tmp_path)) == []
+    # kvsan ran inside the EngineCore process, not only in the front end
+    assert ("engine" in roles(str(tmp_path))) != in_process
+    assert kvsan_check(str(tmp_path)).returncode == 0
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["multiprocess", "inprocess"])
+def test_injected_early_free_is_reported(model, tmp_path, in_process):
+    run_once(model, str(tmp_path), seed=1, inject="double_unref_on_abort",
+             in_process=in_process)
+    found = violations(str(tmp_path))
+    fwl = [v for v in found if v["kind"] == "free_with_live_owners"]
+    assert fwl, [v["kind"] for v in found]
+    v = fwl[0]
+    assert v["role"] == ("frontend" if in_process else "engine")
+    assert v["blocks"] and v["owners"]  # a block and the live request reading it
+    assert v["site"].startswith("faults.py:_double_unref_on_abort")
+    assert all(o.startswith("g") for o in v["owners"])  # request ids, no tokens
+    chk = kvsan_check(str(tmp_path))
+    assert chk.returncode == 1 and "free_with_live_owners" in chk.stdout
+
+
+def test_leak_on_abort_is_reported_and_names_the_request(model, tmp_path):
+    run_once(model, str(tmp_path), seed=1, inject="leak_on_abort", in_process=True)
+    leaks = [v for v in violations(str(tmp_path)) if v["kind"] == "leaked_blocks"]
+    assert leaks
+    assert all(len(v["owners"]) == 1 and v["blocks"] for v in leaks)
+    assert "finished_aborted" in leaks[0]["message"]
+    # one record per leaked request, not one per hook that saw it
+    assert len({v["owners"][0] for v in leaks}) == len(leaks)
+
+
+def test_abort_mode_flushes_report_then_exits(model, tmp_path):
+    env = dict(os.environ, KVSAN="1", KVSAN_MODE="abort", KVSAN_LOG="0",
+               KVSAN_REPORT=str(tmp_path) + os.sep, KVSAN_INJECT="double_unref_on_abort",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, "-m", "kvsan.demo", model, "1"], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == ABORT_EXIT_CODE, proc.stderr[-2000:]
+    found = violations(str(tmp_path))
+    assert len(found) == 1  # the first violation, flushed before the exit
