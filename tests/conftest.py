@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -35,3 +36,15 @@ def only(rt, kind):
     found = [v for v in rt.violations() if v.kind == kind]
     assert found, f"no {kind}; got {[(v.kind, v.blocks, v.owners) for v in rt.violations()]}"
     return found
+
+
+@contextlib.contextmanager
+def as_owner(rid):
+    """Make allocator calls as request ``rid`` (what the manager hooks do)."""
+    from kvsan import current_runtime
+
+    current_runtime().owner_ctx.append((rid, "free"))
+    try:
+        yield
+    finally:
+        current_runtime().owner_ctx.pop()

@@ -4,7 +4,7 @@ zero violations."""
 
 import pytest
 
-from conftest import kinds_of, only
+from conftest import as_owner, kinds_of, only
 from vllm_objects import make_manager, make_request, schedule
 
 pytestmark = pytest.mark.engine
@@ -103,13 +103,8 @@ def test_double_release_by_request(rt):
     finish(m, a)
     rt.clear()
     # A's release path runs again (cancel racing the normal finish)
-    from kvsan import current_runtime
-
-    current_runtime().owner_ctx.append(("A", "free"))
-    try:
+    with as_owner("A"):
         m.block_pool.free_blocks(reversed(blocks))
-    finally:
-        current_runtime().owner_ctx.pop()
     dbl = only(rt, "double_release")
     assert {v.blocks[0] for v in dbl} == {b.block_id for b in blocks}
     assert all(v.owners == ["A"] and v.actor == "A" for v in dbl)
@@ -137,13 +132,8 @@ def test_invalid_release(rt):
     schedule(m, a)
     schedule(m, c)
     a_block = m.get_blocks("A").blocks[0][1]
-    from kvsan import current_runtime
-
-    current_runtime().owner_ctx.append(("C", "free"))  # C releases A's block
-    try:
+    with as_owner("C"):  # C releases A's block
         m.block_pool.free_blocks([a_block])
-    finally:
-        current_runtime().owner_ctx.pop()
     v = only(rt, "invalid_release")[0]
     assert v.blocks == [a_block.block_id] and v.owners == ["C"] and v.actor == "C"
     fwl = only(rt, "free_with_live_owners")[0]
