@@ -37,6 +37,10 @@ def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
     assert stats["finished"] > 0 and stats["aborted"] > 0
     assert stats["prefix_hit_rate"] > 0.2  # prefixes really were shared
     assert violations(str(tmp_path)) == []
+    idle = [r for r in read_records(str(tmp_path)) if r.get("event") == "kvsan.idle"]
+    moves = idle[-1]["movements"]  # the tiny pool forced eviction, reuse and preemption
+    assert moves["evicted"] > 0 and moves["preempted"] > 0 and moves["shared"] > 0, moves
+    assert idle[-1]["pool"]["live_owned"] == 0 and idle[-1]["pool"]["leaked"] == 0
     # kvsan ran inside the EngineCore process, not only in the front end
     assert ("engine" in roles(str(tmp_path))) != in_process
     assert kvsan_check(str(tmp_path)).returncode == 0

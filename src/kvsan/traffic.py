@@ -59,9 +59,9 @@ def run(llm, seed: int = 0, groups: int = 6, per_group: int = 5) -> TrafficResul
         for i in range(per_group):
             tail = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 40))]
             rid = f"g{g}-r{i}"
-            max_tokens = rng.choice((4, 16, 48))
+            max_tokens = rng.choice((8, 32, 96))
             # cancel moments: never, before its first step, mid prefill/decode
-            cancel = rng.choice((-1, -1, 0, 1, 2, 5))
+            cancel = rng.choice((-1, -1, -1, 0, 1, 3, 8))
             pending.append((g * 3 + i, rid, prefix + tail, max_tokens, cancel))
     pending.sort()
     while pending or engine.has_unfinished_requests():

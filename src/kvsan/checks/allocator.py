@@ -21,6 +21,7 @@ Invariants:
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Iterable, Sequence
 
 from .. import kinds
@@ -51,6 +52,8 @@ class AllocatorChecker:
         self.pending_release: dict[str, int] = {}
         #: (kind, block, owner) already reported by a full audit
         self._audit_seen: set[tuple] = set()
+        #: movements seen: allocated, shared, released, evicted, preempted
+        self.counters: Counter[str] = Counter()
 
     # -- reporting helper ---------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, site):
@@ -90,9 +93,12 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
+        self.counters["allocated"] += len(obs)
         for b, ref in obs:
             if b in sh.null:
                 continue
+            if sh.cached[b]:
+                self.counters["evicted"] += 1
             prior = sh.owners(b)
             if prior:
                 live = [o for o in prior if o not in sh.ended]
@@ -123,6 +129,7 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
+        self.counters["shared"] += len(obs)
         for b, ref, linked in obs:
             if b in sh.null:
                 continue
@@ -161,6 +168,7 @@ class AllocatorChecker:
         step = self.step()
         sid = sh.site_id(site)
         in_call: set[int] = set()
+        self.counters["released"] += len(obs)
         for b, ref_before, linked_before, ref_after, linked_after in obs:
             if b in sh.null:
                 continue
@@ -270,6 +278,8 @@ class AllocatorChecker:
         hold nothing.  ``final`` marks a request that will never come back
         (not a preemption), so what it still holds is leaked for good."""
         self.pending_release.pop(rid, None)
+        if not final:
+            self.counters["preempted"] += 1
         sh = self.shadow
         if not sh.held.get(rid) or rid in sh.ended:
             return  # clean, or this leak is already reported

@@ -351,8 +351,12 @@ def _update_from_output(wrapped, instance, args, kwargs):
         rt.idle_audited = True
         _guard(rt, "idle_audit", audit_scheduler, rt, instance, "kvsan.idle_audit")
         ck = _scheduler_checker(rt, instance)
-        if ck is not None and rt.metrics is not None:
-            _guard(rt, "metrics", rt.metrics.update_pool, ck.shadow.stats())
+        if ck is not None:
+            stats = ck.shadow.stats()
+            if rt.metrics is not None:
+                _guard(rt, "metrics", rt.metrics.update_pool, stats)
+            rt.reporter.event("kvsan.idle", step=rt.step, pid=rt.pid, role=rt.role,
+                              pool=stats, movements=dict(ck.counters))
     elif not idle:
         rt.idle_audited = False
     return ret
