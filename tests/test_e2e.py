@@ -34,7 +34,7 @@ def roles(path):
 def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
     rc, stats = run_once(model, str(tmp_path), seed=1, inject=None, in_process=in_process)
     assert rc == 0, stats
-    assert stats["finished"] > 0 and stats["aborted"] > 0
+    assert stats["finished"] > 0 and stats["aborted"] > 0 and stats["reset"]
     assert stats["prefix_hit_rate"] > 0.2  # prefixes really were shared
     assert violations(str(tmp_path)) == []
     idle = [r for r in read_records(str(tmp_path)) if r.get("event") == "kvsan.idle"]

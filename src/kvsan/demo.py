@@ -77,6 +77,9 @@ def _child(model: str, seed: int) -> None:
         res = traffic.run(llm, seed=seed)
         out = {"finished": res.finished, "aborted": res.aborted, "steps": res.steps,
                "prefix_hit_rate": round(res.cached_tokens / max(res.prompt_tokens, 1), 3)}
+        # an RLHF-style cache reset between rounds, then more shared traffic
+        out["reset"] = bool(llm.reset_prefix_cache())
+        out["finished"] += traffic.run(llm, seed=seed + 1, groups=2).finished
     except Exception as e:  # noqa: BLE001 - a faulty engine may die; kvsan's report says why
         out = {"engine_error": f"{type(e).__name__}: {str(e)[:120]}"}
     print("KVSAN_TRAFFIC " + json.dumps(out), flush=True)
