@@ -36,6 +36,17 @@ class Config:
     leak_grace_steps: int = 1000
     #: emit structlog JSON lines on stderr (one per violation)
     log_events: bool = True
+    #: device-side checksums of sealed blocks: "off", "all", or "sample"
+    #: with ``checksum_sample`` sealed blocks re-verified per step (prefix
+    #: hits are always verified unless off)
+    checksum: str = "sample"
+    checksum_sample: int = 4
+    #: fill blocks that leave every owner (and evicted blocks) with NaN
+    poison: bool = False
+    #: keep released blocks out of reuse for N steps (0: off), or
+    #: "pressure": released blocks are the first to be reused
+    quarantine: int = 0
+    pressure: bool = False
 
 
 def _flag(env, name: str) -> bool:
@@ -83,6 +94,32 @@ def check_report_path(path: str) -> None:
         ) from None
 
 
+def _checksum(env) -> tuple[str, int]:
+    raw = env.get("KVSAN_CHECKSUM", "").strip() or f"sample:{Config.checksum_sample}"
+    if raw in ("off", "all"):
+        return raw, 0
+    if raw.startswith("sample:"):
+        n = raw.split(":", 1)[1]
+        if n.isdigit() and int(n) > 0:
+            return "sample", int(n)
+    raise ConfigError(
+        f"KVSAN_CHECKSUM={raw!r} is not accepted; use off, all, or sample:N (N >= 1)"
+    )
+
+
+def _quarantine(env) -> tuple[int, bool]:
+    raw = env.get("KVSAN_QUARANTINE", "").strip()
+    if raw in ("", "0"):
+        return 0, False
+    if raw == "pressure":
+        return 0, True
+    if raw.isdigit():
+        return int(raw), False
+    raise ConfigError(
+        f"KVSAN_QUARANTINE={raw!r} is not accepted; use 0, a number of steps N, or pressure"
+    )
+
+
 def from_env(env=None) -> Config:
     """Read the KVSAN_* variables.  Raises :class:`ConfigError` on any bad value."""
     env = os.environ if env is None else env
@@ -93,6 +130,8 @@ def from_env(env=None) -> Config:
     report = env.get("KVSAN_REPORT", "").strip() or None
     if enabled and report:
         check_report_path(report)
+    checksum, sample = _checksum(env)
+    quarantine, pressure = _quarantine(env)
     return Config(
         enabled=enabled,
         mode=mode,
@@ -101,4 +140,9 @@ def from_env(env=None) -> Config:
         audit_every=_int(env, "KVSAN_AUDIT_EVERY", 0),
         leak_grace_steps=_int(env, "KVSAN_LEAK_GRACE_STEPS", 1000),
         log_events=_flag(env, "KVSAN_LOG") if env.get("KVSAN_LOG", "").strip() else True,
+        checksum=checksum,
+        checksum_sample=sample,
+        poison=_flag(env, "KVSAN_POISON"),
+        quarantine=quarantine,
+        pressure=pressure,
     )

@@ -47,6 +47,7 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     installed, missing = [], []
     if rt.role != "worker":
         installed, missing = hooks.instrument(vllm_allocator.targets())
+    _install_device_hooks(rt, installed, missing)
     rt.hooks_installed, rt.hooks_missing = installed, missing
     problems = list(missing)
     if not supported:
@@ -66,6 +67,38 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
         missing=problems,
     )
     return rt
+
+
+def _install_device_hooks(rt, installed: list, missing: list) -> None:
+    """Worker-side hooks.  A worker process patches at once; other processes
+    patch when (if) they import a model runner: in-process mode and CUDA's
+    single-process executor run the worker inside them."""
+    import wrapt
+
+    from . import hooks
+    from .hooks import vllm_worker
+
+    def v1(_module=None):
+        got, lost = hooks.instrument(vllm_worker.targets())
+        rt.hooks_installed.extend(g for g in got if g not in rt.hooks_installed)
+        return got, lost
+
+    def v2(_module=None):
+        # the V2 runner needs Triton (absent from CPU builds): optional
+        got, _ = hooks.instrument(vllm_worker.targets_v2())
+        rt.hooks_installed.extend(g for g in got if g not in rt.hooks_installed)
+
+    if rt.role == "worker":
+        got, lost = v1()
+        installed.extend(got)
+        missing.extend(lost)
+        try:
+            v2()
+        except Exception:  # noqa: BLE001 - not importable on this build
+            pass
+    else:
+        wrapt.register_post_import_hook(v1, vllm_worker._V1)
+        wrapt.register_post_import_hook(v2, vllm_worker._V2)
 
 
 def uninstall() -> None:

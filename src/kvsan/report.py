@@ -157,10 +157,13 @@ class Reporter:
             self.metrics.internal_error()
         if where not in self._error_sites:
             self._error_sites.add(where)
+            error = f"{type(exc).__name__}: {exc}"
             if self._log is not None:
-                self._log.warning(
-                    "kvsan.internal_error", where=where, error=f"{type(exc).__name__}: {exc}"
-                )
+                self._log.warning("kvsan.internal_error", where=where, error=error)
+            if self._sink is not None:
+                self._sink.write({"record": "event", "event": "kvsan.internal_error",
+                                  "schema": SCHEMA, "where": where, "error": error,
+                                  "pid": os.getpid(), "role": self.role})
         if self.config.mode != "log":
             raise exc
 

@@ -26,6 +26,25 @@ def detect_role() -> str:
     return "frontend"
 
 
+class StepJournal:
+    """Allocator facts the device side needs and cannot see itself, collected
+    between two ``schedule()`` calls and shipped on the SchedulerOutput."""
+
+    __slots__ = ("cached", "uncached", "freed", "reset")
+
+    def __init__(self):
+        self.cached: list[int] = []  # full blocks entering the prefix cache
+        self.uncached: list[int] = []  # cache entries dropped (evict, move, reuse)
+        self.freed: list[int] = []  # blocks that left every owner, uncached
+        self.reset = False  # reset_prefix_cache succeeded
+
+    def take(self) -> dict:
+        out = {"cached": self.cached, "uncached": self.uncached,
+               "freed": self.freed, "reset": self.reset}
+        self.cached, self.uncached, self.freed, self.reset = [], [], [], False
+        return out
+
+
 class Runtime:
     def __init__(self, config: Config, role: str | None = None, metrics: bool = True):
         self.config = config
@@ -48,6 +67,8 @@ class Runtime:
         self.hooks_installed: list[str] = []
         self.hooks_missing: list[str] = []
         self.idle_audited = False
+        #: what the allocator did to cache state this step, for the workers
+        self.journal = StepJournal()
 
     def current_owner(self) -> str | None:
         return self.owner_ctx[-1][0] if self.owner_ctx else None

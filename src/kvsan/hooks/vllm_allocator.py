@@ -81,6 +81,8 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
         if owner is None:
             owner = f"anon:{site}"
             ck.shadow.nonrequest.add(owner)
+        cached = ck.shadow.cached
+        rt.journal.uncached.extend(b.block_id for b in ret if cached[b.block_id])
         _guard(rt, "get_new_blocks", ck.on_allocate,
                [(b.block_id, b.ref_cnt) for b in ret], owner, site)
     return ret
@@ -145,6 +147,8 @@ def _make_release(arg_name: str):
             if (b.pool is None or b.pool is instance) and not b.is_null and b.block_id not in pre:
                 pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
         ret = wrapped(blocks, *rest, **kw)
+        rt.journal.freed.extend(b.block_id for b in blocks if b.block_id in pre
+                                and b.ref_cnt == 0 and b.block_hash is None)
         _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre),
                rt.current_owner(), _site())
         return ret
@@ -161,8 +165,10 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
             vals = dict(zip(names, args))
             vals.update({k: kwargs[k] for k in names if k in kwargs})
             blocks = vals["blocks"][vals["num_cached_blocks"]:vals["num_full_blocks"]]
-            ck.on_cached([(b.block_id, b.block_hash) for b in blocks
-                          if b.block_hash is not None and not b.is_null])
+            items = [(b.block_id, b.block_hash) for b in blocks
+                     if b.block_hash is not None and not b.is_null]
+            rt.journal.cached.extend(b for b, _ in items)
+            ck.on_cached(items)
         _guard(rt, "cache_full_blocks", note)
     return ret
 
@@ -185,6 +191,8 @@ def _move_block_hashes(wrapped, instance, args, kwargs):
         dst = args[1] if len(args) > 1 else kwargs["dst_block"]
 
         def note():
+            rt.journal.uncached.append(src.block_id)
+            rt.journal.cached.append(dst.block_id)
             ck.on_uncached([src.block_id])
             ck.on_cached([(dst.block_id, dst.block_hash)])
         _guard(rt, "move_block_hashes", note)
@@ -197,9 +205,10 @@ def _evict_blocks(wrapped, instance, args, kwargs):
     if ck is not None:
         ids = args[0] if args else kwargs["block_ids"]
         # legal even for in-use blocks: only the hash is dropped
-        _guard(rt, "evict_blocks", ck.on_uncached,
-               [i for i in ids if 0 <= i < len(instance.blocks)
-                and instance.blocks[i].block_hash is None])
+        dropped = [i for i in ids if 0 <= i < len(instance.blocks)
+                   and instance.blocks[i].block_hash is None]
+        rt.journal.uncached.extend(dropped)
+        _guard(rt, "evict_blocks", ck.on_uncached, dropped)
     return ret
 
 
@@ -207,6 +216,7 @@ def _reset_prefix_cache(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt, ck = _checker(instance)
     if ck is not None and ret:
+        rt.journal.reset = True
         _guard(rt, "reset_prefix_cache", ck.on_uncache_all)
     return ret
 
@@ -329,6 +339,12 @@ def _schedule(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     rt.step += 1
     ret = wrapped(*args, **kwargs)
+    # the step context for the device side travels with the SchedulerOutput
+    # (a plain dataclass: extra attributes survive pickling to the workers)
+    try:
+        ret.kvsan = dict(rt.journal.take(), step=rt.step)
+    except Exception as e:  # noqa: BLE001
+        rt.reporter.internal_error("schedule.payload", e)
     ck = _scheduler_checker(rt, instance)
     if ck is not None:
         def after():

@@ -1,0 +1,161 @@
+"""vLLM adapter, device side (worker process; in-process mode and CUDA's
+single-process executor run it inside the EngineCore or front end).
+
+Hooks at step level, never inside the forward: under full CUDA-graph replay
+Python inside the model does not run, but the step's inputs, slot mapping,
+block tables and cache tensors are all visible around ``execute_model``.
+
+* V1 runner (CPU, CUDA fallback): ``execute_model`` (step context, hit
+  verification, poison, then sealing after the step) and ``_prepare_inputs``
+  (the write guard on the slot mapping the forward will use).
+* V2 runner (CUDA default): ``execute_model`` (step context, checksums,
+  poison, sealing).  Its slot mappings are built on device by a Triton
+  kernel; the write guard there is not wired yet.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+from .. import runtime as _rt
+from ..checks.device import DeviceChecker
+from . import Target
+from .vllm_allocator import _guard
+
+_V1 = "vllm.v1.worker.gpu_model_runner"
+_V2 = "vllm.v1.worker.gpu.model_runner"
+
+_checkers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _layers(runner) -> list:
+    from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+    nb = runner.kv_cache_config.num_blocks
+    caches = runner.kv_caches
+    if isinstance(caches, dict):
+        caches = list(caches.values())
+    return [group_kernel_blocks(t, nb) for t in caches]
+
+
+def _device_checker(rt, runner) -> DeviceChecker | None:
+    dc = _checkers.get(runner)
+    if dc is None:
+        if not getattr(runner, "kv_caches", None):
+            return None  # KV cache not allocated yet (profiling / warm-up)
+        cfg = runner.kv_cache_config
+        layers = _layers(runner)
+        dc = DeviceChecker(
+            cfg.num_blocks,
+            cfg.kv_cache_groups[0].kv_cache_spec.block_size,
+            emit=rt.reporter.emit,
+            step=rt.get_step,
+            checksum=rt.config.checksum,
+            checksum_sample=rt.config.checksum_sample,
+            poison=rt.config.poison,
+            device=layers[0].device if layers else "cpu",
+        )
+        _checkers[runner] = dc
+    return dc
+
+
+def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
+    """Apply what the scheduler sent for this step, before the forward."""
+    payload = getattr(so, "kvsan", None)
+    if payload is not None:
+        rt.step = payload["step"]
+    else:
+        rt.step += 1
+    bs = dc.block_size
+    for rid in so.finished_req_ids:
+        dc.drop_request(rid)
+    for rid in getattr(so, "preempted_req_ids", None) or ():
+        dc.drop_request(rid)
+    if payload is not None:
+        if payload["reset"]:
+            dc.uncache_all()
+        dc.uncache(payload["uncached"])
+    hits: list[tuple[str, int]] = []
+    fresh: list[int] = []
+
+    def add(rid, blocks, num_hit_blocks):
+        got = dc.add_blocks(rid, blocks, num_hit_blocks)
+        hits.extend((rid, b) for b in got)
+        fresh.extend(blocks[num_hit_blocks:])
+
+    for nr in so.scheduled_new_reqs:
+        dc.drop_request(nr.req_id)  # V2 sends resumed requests as new ones
+        add(nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs)
+    cr = so.scheduled_cached_reqs
+    for i, rid in enumerate(cr.req_ids):
+        new = cr.new_block_ids[i]
+        if rid in cr.resumed_req_ids:
+            dc.drop_request(rid)
+            add(rid, new[0] if new else [], cr.num_computed_tokens[i] // bs)
+        elif new is not None:
+            add(rid, new[0], 0)
+    copies = getattr(so, "kv_cache_block_copies", None)
+    if copies:
+        dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
+    layers = _layers(runner)
+    if payload is not None:
+        dc.will_seal(payload["cached"])
+        if dc.poison_on:
+            dc.unpoison(layers, fresh)
+            dc.poison(layers, payload["freed"])
+        if not _has_connector():  # connector loads write without slot mappings
+            dc.verify_hits(layers, hits)
+    dc.verify_sampled(layers)
+
+
+def _has_connector() -> bool:
+    try:
+        from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+        return has_kv_transfer_group()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _execute_model(wrapped, instance, args, kwargs):
+    rt = _rt.get()
+    if rt is None:
+        return wrapped(*args, **kwargs)
+    so = args[0] if args else kwargs["scheduler_output"]
+    dc = None
+    try:
+        dc = _device_checker(rt, instance)
+    except Exception as e:  # noqa: BLE001
+        rt.reporter.internal_error("device_checker", e)
+    if dc is not None:
+        _guard(rt, "execute_model.begin", begin_step, rt, dc, instance, so)
+    ret = wrapped(*args, **kwargs)
+    if dc is not None:
+        _guard(rt, "execute_model.seal", lambda: dc.seal(_layers(instance)))
+    return ret
+
+
+def _prepare_inputs(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    dc = _checkers.get(instance) if rt is not None else None
+    if dc is not None:
+        def check():
+            num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
+            num_reqs = instance.input_batch.num_reqs
+            table = instance.input_batch.block_table.block_tables[0]
+            dc.guard(table.slot_mapping.gpu, instance.input_batch.req_ids[:num_reqs],
+                     [int(n) for n in num_sched[:num_reqs]])
+        _guard(rt, "_prepare_inputs.guard", check)
+    return ret
+
+
+def targets() -> list[Target]:
+    return [
+        Target(_V1, "GPUModelRunner.execute_model", _execute_model, True),
+        Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True),
+    ]
+
+
+def targets_v2() -> list[Target]:
+    return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True)]
