@@ -53,6 +53,37 @@ class Metrics:
             "kvsan_tracked_requests", "Requests that currently hold KV blocks."
         ).labels(role=role)
 
+        self.orphans = gauge(
+            "kvsan_orphan_blocks",
+            "Blocks with no live owner that are not free (found by the full audit).",
+        ).labels(role=role)
+        self._overhead = Counter(
+            "kvsan_overhead_seconds",
+            "Wall time spent inside kvsan's checks (seconds).",
+            ["role"],
+            registry=registry,
+        ).labels(role=role)
+        self._steps = Counter(
+            "kvsan_scheduler_steps",
+            "Scheduler steps observed by kvsan.",
+            ["role"],
+            registry=registry,
+        ).labels(role=role)
+        self._flushed_overhead = 0.0
+        self._flushed_steps = 0
+
+    def flush_counters(self, overhead_s: float, steps: int) -> None:
+        """Advance the overhead and step counters to the runtime's totals.
+        The hot path only adds to plain numbers; this runs once per step."""
+        d = overhead_s - self._flushed_overhead
+        if d > 0:
+            self._overhead.inc(d)
+            self._flushed_overhead = overhead_s
+        n = steps - self._flushed_steps
+        if n > 0:
+            self._steps.inc(n)
+            self._flushed_steps = steps
+
     def violation(self, kind: str) -> None:
         self._violations.labels(kind=kind, role=self.role).inc()
 

@@ -13,7 +13,12 @@ acquire and release is kept per block as (owner, step, interned call site).
 from __future__ import annotations
 
 from array import array
+from time import monotonic as _monotonic
 from typing import Iterable
+
+
+def _zero() -> int:
+    return 0
 
 
 class ShadowTable:
@@ -39,6 +44,11 @@ class ShadowTable:
         self.ended: dict[str, tuple[str, int]] = {}
         #: owners that are not requests (cow:, deferred:, pin:, anon:)
         self.nonrequest: set[str] = set()
+        #: owner -> (monotonic time, step) at which it went from holding
+        #: nothing to holding a block (``kvsan owners``: "for how long")
+        self.since: dict[str, tuple[float, int]] = {}
+        #: the step counter (set by the checker); read only for new owners
+        self.clock = _zero
         self.n_owned = 0
         self.n_cached_free = 0
 
@@ -84,7 +94,10 @@ class ShadowTable:
                 self.n_cached_free -= 1
         else:
             self.more.setdefault(b, []).append(owner)
-        self.held[owner] = self.held.get(owner, 0) + 1
+        n = self.held.get(owner, 0)
+        if not n:
+            self.since[owner] = (_monotonic(), self.clock())
+        self.held[owner] = n + 1
 
     def remove_owner(self, b: int, owner: str) -> bool:
         """Drop one reference of ``owner`` on ``b``; False if it held none."""
@@ -111,6 +124,7 @@ class ShadowTable:
             self.held[owner] = left
         else:
             del self.held[owner]
+            self.since.pop(owner, None)
             self.ended.pop(owner, None)
             self.nonrequest.discard(owner)
         return True

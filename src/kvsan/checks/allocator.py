@@ -54,6 +54,9 @@ class AllocatorChecker:
         self._audit_seen: set[tuple] = set()
         #: movements seen: allocated, shared, released, evicted, preempted
         self.counters: Counter[str] = Counter()
+        self.shadow.clock = step
+        #: how recent requests ended: rid -> (reason, step), bounded (``kvsan owners``)
+        self.recent_ends: dict[str, tuple[str, int]] = {}
 
     # -- reporting helper ---------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, site):
@@ -278,6 +281,8 @@ class AllocatorChecker:
         hold nothing.  ``final`` marks a request that will never come back
         (not a preemption), so what it still holds is leaked for good."""
         self.pending_release.pop(rid, None)
+        if final:
+            self._note_end(rid, reason)
         if not final:
             self.counters["preempted"] += 1
         sh = self.shadow
@@ -292,6 +297,15 @@ class AllocatorChecker:
             "release path ran",
             blocks, [rid], rid, site,
         )
+
+    RECENT_ENDS = 4096
+
+    def _note_end(self, rid: str, reason: str) -> None:
+        ends = self.recent_ends
+        ends.pop(rid, None)
+        ends[rid] = (reason, self.step())
+        if len(ends) > self.RECENT_ENDS:
+            del ends[next(iter(ends))]
 
     def on_request_pending_release(self, rid: str) -> None:
         """``rid`` finished but the engine legally delays its free."""
