@@ -64,6 +64,9 @@ def main(argv=None) -> int:
                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (one process)")
     d.add_argument("--workdir", help="where reports go (default: a temp dir)")
     d.set_defaults(func=cmd_demo)
+    from .harness_cli import add_commands  # repro, stress
+
+    add_commands(sub)
     args = p.parse_args(argv)
     return args.func(args)
 
