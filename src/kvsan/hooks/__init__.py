@@ -32,6 +32,10 @@ class Target:
     wrapper: Callable
     #: also patch subclasses that override the method (engine managers do)
     subclasses: bool = False
+    #: optional ``original -> patched function`` for the hottest hooks: the
+    #: patched function calls the original itself, with no generic wrapper
+    #: call in between (``wrapper`` stays the fallback for other descriptors)
+    direct: Callable | None = None
 
     @property
     def name(self) -> str:
@@ -68,12 +72,21 @@ def _trampoline(original, wrapper):
     return patched
 
 
-def _wrap(owner, attr: str, wrapper) -> None:
+#: the code object every trampoline runs (call-site lookups skip its frame)
+TRAMPOLINE_CODE = _trampoline(lambda self: None, None).__code__
+
+
+def _wrap(owner, attr: str, wrapper, direct=None) -> None:
     original = owner.__dict__[attr]
     if is_patched(original):
         return  # already ours (register() is idempotent)
     if type(original) is type(_trampoline):  # a plain function
-        setattr(owner, attr, _trampoline(original, wrapper))
+        if direct is not None:
+            patched = functools.wraps(original)(direct(original))
+            patched.__kvsan_patched__ = True
+        else:
+            patched = _trampoline(original, wrapper)
+        setattr(owner, attr, patched)
     else:
         wrapt.wrap_function_wrapper(owner, attr, wrapper)
     _patched.append((owner, attr, original))
@@ -92,11 +105,11 @@ def instrument(targets: list[Target]) -> tuple[list[str], list[str]]:
         except (ImportError, AttributeError) as e:
             missing.append(f"{t.name} ({type(e).__name__}: {e})")
             continue
-        _wrap(cls, attr, t.wrapper)
+        _wrap(cls, attr, t.wrapper, t.direct)
         if t.subclasses:
             for sub in _all_subclasses(cls):
                 if attr in sub.__dict__:
-                    _wrap(sub, attr, t.wrapper)
+                    _wrap(sub, attr, t.wrapper, t.direct)
         installed.append(t.name)
     return installed, missing
 
