@@ -4,10 +4,14 @@
 setup:
 	./scripts/setup.sh
 
-# main job: the real engine on the generated tiny model, clean and with an
-# injected lifetime fault; prints what kvsan found
+# main job: the deterministic reproduction (kvsan repro) on the real engine and
+# the generated tiny model, five cancel moments, each compared with an
+# uncached reference; then one moment again with a built-in fault that serves
+# wrong bytes, which must fail (violations and a content mismatch)
 demo: setup
-	.venv/bin/kvsan demo
+	.venv/bin/kvsan repro
+	@echo; echo "== the same experiment with the built-in fault touch_without_ref (must fail):"
+	! .venv/bin/kvsan repro --inject touch_without_ref --moments during_b_decode
 
 test: setup
 	.venv/bin/python -m pytest -q
