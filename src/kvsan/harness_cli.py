@@ -52,4 +52,7 @@ def add_commands(sub) -> None:
                    help="at most this many replays to shrink a failing trace")
     s.add_argument("--plot", help="PNG path (default: <workdir>/stress.png)")
     s.add_argument("--no-progress", action="store_true")
+    s.add_argument("--only", help="replay only these request ids of the seeded trace "
+                                  "(what a failing run prints)")
+    s.add_argument("--json", help="also write the summary (token-free) here")
     s.set_defaults(func=cmd_stress)
