@@ -48,6 +48,25 @@ def cmd_demo(args) -> int:
     return demo_main(args)
 
 
+def cmd_owners(args) -> int:
+    import json
+
+    from . import owners
+
+    try:
+        doc = owners.fetch(args.url, timeout=args.timeout)
+    except Exception as e:  # noqa: BLE001 - network/HTTP/JSON errors alike
+        print(f"kvsan owners: cannot fetch {args.url}{owners.ROUTE}: {e} (is the server "
+              "running with KVSAN=1 and VLLM_PLUGINS=kvsan?)", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(doc, sys.stdout, indent=1)
+        print()
+        return 0
+    orphans = owners.render(doc, limit=args.limit)
+    return 1 if orphans and args.fail_on_orphans else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvsan", description="KV-cache sanitizer for vLLM")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -64,6 +83,15 @@ def main(argv=None) -> int:
                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (one process)")
     d.add_argument("--workdir", help="where reports go (default: a temp dir)")
     d.set_defaults(func=cmd_demo)
+    o = sub.add_parser("owners", help="who holds the KV blocks of a running `vllm serve` "
+                                      "(GET /kvsan/owners; needs VLLM_PLUGINS=kvsan)")
+    o.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
+                   help="the server's base URL (default http://127.0.0.1:8000)")
+    o.add_argument("--json", action="store_true", help="print the raw snapshot")
+    o.add_argument("--limit", type=int, default=50, help="owner rows to print (0: all)")
+    o.add_argument("--timeout", type=float, default=30.0)
+    o.add_argument("--fail-on-orphans", action="store_true", help="exit 1 if any orphan block")
+    o.set_defaults(func=cmd_owners)
     from .harness_cli import add_commands  # repro, stress
 
     add_commands(sub)

@@ -48,6 +48,8 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     if rt.role != "worker":
         installed, missing = hooks.instrument(vllm_allocator.targets())
     _install_device_hooks(rt, installed, missing)
+    if rt.role != "worker":
+        _install_owners_utility()
     rt.hooks_installed, rt.hooks_missing = installed, missing
     problems = list(missing)
     if not supported:
@@ -101,11 +103,23 @@ def _install_device_hooks(rt, installed: list, missing: list) -> None:
         wrapt.register_post_import_hook(v2, vllm_worker._V2)
 
 
+def _install_owners_utility() -> None:
+    """``EngineCore.kvsan_owners`` (``kvsan owners``), added when (if) this
+    process imports the EngineCore."""
+    import wrapt
+
+    from . import owners
+
+    wrapt.register_post_import_hook(lambda _m: owners.install_engine_method(),
+                                    owners._ENGINE_CORE[0])
+
+
 def uninstall() -> None:
     """Remove every patch and forget this process's state."""
-    from . import hooks
+    from . import hooks, owners
 
     hooks.uninstrument()
+    owners.uninstall_engine_method()
     rt = _rt.get()
     if rt is not None:
         rt.reporter.close()
@@ -119,6 +133,10 @@ def register() -> None:
         return
     already = _rt.get() is not None and _rt.get().pid == os.getpid()
     rt = install(cfg)
+    if not already:
+        from . import exporter
+
+        exporter.start(rt)  # KVSAN_METRICS_PORT / PROMETHEUS_MULTIPROC_DIR
     fault = os.environ.get("KVSAN_INJECT", "").strip()
     if fault and not already and rt.role != "worker":
         from . import faults

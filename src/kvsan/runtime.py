@@ -69,6 +69,8 @@ class Runtime:
         self.idle_audited = False
         #: what the allocator did to cache state this step, for the workers
         self.journal = StepJournal()
+        #: seconds spent in kvsan's checks (exported as kvsan_overhead_seconds_total)
+        self.overhead_s = 0.0
 
     def current_owner(self) -> str | None:
         return self.owner_ctx[-1][0] if self.owner_ctx else None

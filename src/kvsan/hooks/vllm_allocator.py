@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from itertools import repeat
 from operator import attrgetter, is_not
+from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
@@ -56,13 +57,17 @@ def _site(depth: int = 2) -> str:
 
 def _guard(rt, where: str, fn, *args) -> None:
     """Run a check; kvsan's own exceptions are counted, violations raised
-    only in raise/abort modes (the reporter decides)."""
+    only in raise/abort modes (the reporter decides).  The time spent is
+    added to ``rt.overhead_s`` (``kvsan_overhead_seconds_total``)."""
+    t0 = _perf_counter()
     try:
         fn(*args)
     except KVSanViolation:
         raise
     except Exception as e:  # noqa: BLE001 - report first, never mask
         rt.reporter.internal_error(where, e)
+    finally:
+        rt.overhead_s += _perf_counter() - t0
 
 
 def _checker(pool):
@@ -87,6 +92,8 @@ def _pool_init(wrapped, instance, args, kwargs):
         step=rt.get_step,
         null_blocks=(null.block_id,) if null is not None else (),
     )
+    if rt.metrics is not None:  # the pool's gauges exist before the first step
+        _guard(rt, "metrics", rt.metrics.update_pool, rt.checkers[instance].shadow.stats())
 
 
 def _get_new_blocks(wrapped, instance, args, kwargs):
@@ -407,7 +414,12 @@ def audit_scheduler(rt, sched, site="kvsan.audit") -> int:
     if ck is None:
         return 0
     refs, linked = pool_view(sched.kv_cache_manager.block_pool.blocks)
-    return ck.audit(refs, linked, set(sched.requests), site)
+    found = ck.audit(refs, linked, set(sched.requests), site)
+    if rt.metrics is not None:
+        from ..owners import orphan_blocks
+
+        rt.metrics.orphans.set(len(orphan_blocks(ck.shadow, refs, linked)))
+    return found
 
 
 def _schedule(wrapped, instance, args, kwargs):
@@ -430,6 +442,7 @@ def _schedule(wrapped, instance, args, kwargs):
                 audit_scheduler(rt, instance)
             if rt.metrics is not None:
                 rt.metrics.update_pool(ck.shadow.stats())
+                rt.metrics.flush_counters(rt.overhead_s, rt.step)
         _guard(rt, "schedule", after)
     return ret
 
@@ -448,6 +461,7 @@ def _update_from_output(wrapped, instance, args, kwargs):
             stats = ck.shadow.stats()
             if rt.metrics is not None:
                 _guard(rt, "metrics", rt.metrics.update_pool, stats)
+                _guard(rt, "metrics", rt.metrics.flush_counters, rt.overhead_s, rt.step)
             rt.reporter.event("kvsan.idle", step=rt.step, pid=rt.pid, role=rt.role,
                               pool=stats, movements=dict(ck.counters))
     elif not idle:

@@ -1,0 +1,120 @@
+"""Getting kvsan's metrics out of every process vLLM starts.
+
+Two ways, chosen per process at install time:
+
+* ``PROMETHEUS_MULTIPROC_DIR`` set before launch (vLLM's multiprocess mode):
+  ``prometheus_client`` keeps every process's values in mmap files in that
+  directory and the API server's ``/metrics`` aggregates them, so the
+  EngineCore's and the workers' ``kvsan_*`` series appear on the server's
+  own endpoint.  Gauges declare ``multiprocess_mode="livesum"``; kvsan
+  removes its process's live-gauge files when the process ends.
+* ``KVSAN_METRICS_PORT=<base>``: each process also serves its own registry
+  on ``base + offset``: front end ``+0``, EngineCore ``+1+dp_rank``,
+  worker ``+100+rank``.  ``KVSAN_METRICS_ADDR`` (default ``0.0.0.0``) is
+  the bind address.  Without ``PROMETHEUS_MULTIPROC_DIR`` this is how the
+  EngineCore's and the workers' series are reached (the front end's are on
+  vLLM's ``/metrics`` either way).
+
+Failing to bind never stops the engine: it is counted as a kvsan internal
+error and logged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+
+ENGINE_OFFSET = 1
+WORKER_OFFSET = 100
+
+_started: dict[int, int] = {}  # pid -> port
+_dead_marked: set[int] = set()
+
+
+def process_rank(name: str | None = None) -> int:
+    """The DP rank of an EngineCore (``EngineCore_DP3``) or the rank of a
+    worker (``VllmWorker-2``) from its multiprocessing name; 0 if none."""
+    if name is None:
+        import multiprocessing
+
+        name = multiprocessing.current_process().name
+    m = re.search(r"(\d+)$", name or "")
+    return int(m.group(1)) if m else 0
+
+
+def port_for(base: int, role: str, rank: int = 0) -> int:
+    if role == "engine":
+        return base + ENGINE_OFFSET + rank
+    if role == "worker":
+        return base + WORKER_OFFSET + rank
+    return base
+
+
+def metrics_port_from_env(env=None) -> int | None:
+    env = os.environ if env is None else env
+    raw = env.get("KVSAN_METRICS_PORT", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or not 0 < int(raw) < 65536:
+        from .config import ConfigError
+
+        raise ConfigError(
+            f"KVSAN_METRICS_PORT={raw!r} is not accepted; use a TCP port number (the base port)"
+        )
+    return int(raw)
+
+
+def multiproc_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(
+        "prometheus_multiproc_dir"
+    )
+
+
+def _mark_dead(pid: int) -> None:
+    if pid in _dead_marked or pid != os.getpid():
+        return
+    _dead_marked.add(pid)
+    d = multiproc_dir()
+    if not d:
+        return
+    try:
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(pid, d)
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+def start(rt) -> int | None:
+    """Set this process up for export; returns the port served, if any."""
+    pid = os.getpid()
+    if multiproc_dir():
+        # livesum gauges of a process that ended must stop counting
+        atexit.register(_mark_dead, pid)
+        try:  # multiprocessing children end with os._exit: atexit never runs
+            from multiprocessing import util
+
+            util.Finalize(None, _mark_dead, args=(pid,), exitpriority=0)
+        except Exception:  # noqa: BLE001
+            pass
+    base = metrics_port_from_env()
+    if base is None or rt.metrics is None:
+        return None
+    if pid in _started:
+        return _started[pid]
+    port = port_for(base, rt.role, process_rank())
+    addr = os.environ.get("KVSAN_METRICS_ADDR", "").strip() or "0.0.0.0"
+    try:
+        from prometheus_client import REGISTRY, start_http_server
+
+        start_http_server(port, addr=addr, registry=REGISTRY)
+    except Exception as e:  # noqa: BLE001 - a busy port must not stop the engine
+        try:
+            rt.reporter.internal_error(f"metrics exporter on {addr}:{port}", e)
+        except Exception:  # noqa: BLE001 - raise/abort modes re-raise; not for this
+            pass
+        return None
+    _started[pid] = port
+    rt.reporter.event("kvsan.metrics", pid=pid, role=rt.role, port=port, addr=addr)
+    return port

