@@ -5,6 +5,19 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Prometheus and promtool (Debian's `prometheus` package) for the operations
+# tests: a real Prometheus scrapes `vllm serve` and evaluates
+# examples/alerts.yml.  Installed only if missing (checked on every run).
+if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    SUDO=""
+    [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends prometheus
+  else
+    echo "setup.sh: install Prometheus (prometheus and promtool on PATH) for tests/test_serve.py" >&2
+  fi
+fi
 stamp=.venv/.kvsan-setup
 want=$(sha256sum pyproject.toml | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
