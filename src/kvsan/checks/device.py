@@ -9,9 +9,10 @@ tensors (block-major: dim 0 is the block), with torch ops only.
 
 * **worker view**: which requests hold which blocks, from what the scheduler
   sent this worker (new / appended / resumed / finished / preempted);
-* **write guard**: every slot written this step lies in a block held by the
-  writing request alone, never in a sealed block (``overwrite_shared_block``);
-  one batched tensor check per step;
+* **write guard**: every slot written this step lies in a block the writing
+  request produces (it was freshly allocated to it), never in a block it only
+  shares through a prefix hit, nor in a sealed block
+  (``overwrite_shared_block``); one batched tensor check per step;
 * **reuse**: a fresh block handed to a request while another live request
   still holds it in the worker's view (``reuse_with_live_owners``);
 * **checksums**: a cached block is sealed once every one of its slots has been
@@ -36,7 +37,7 @@ import torch
 from .. import kinds
 from ..report import Violation
 
-_NONE, _SHARED = -1, -2
+_NONE = -1
 
 
 def _as_int_view(x: torch.Tensor) -> torch.Tensor:
@@ -104,54 +105,60 @@ class DeviceChecker:
             self._int_rid.append(rid)
         return i
 
-    def _set_lut(self, b: int) -> None:
-        h = self.holders.get(b)
-        if not h:
-            v = _NONE
-        elif len(h) == 1:
-            v = self._rint(next(iter(h)))
-        else:
-            v = _SHARED
-        self.lut[b] = v
+    def _set_producer(self, b: int, rid: str | None) -> None:
+        """Only a block's producer (the request it was freshly allocated to)
+        may write it, and only until it is sealed; prefix hitters never may."""
+        self.lut[b] = _NONE if rid is None else self._rint(rid)
 
     def drop_request(self, rid: str) -> None:
+        me = self._rid_int.pop(rid, None)
         for b in self.req_blocks.pop(rid, ()):
             h = self.holders.get(b)
             if h is not None:
                 h.discard(rid)
                 if not h:
                     del self.holders[b]
-                self._set_lut(b)
-        self._rid_int.pop(rid, None)
+            if me is not None and int(self.lut[b]) == me:
+                self._set_producer(b, None)
 
-    def add_blocks(self, rid: str, blocks: Sequence[int], fresh_from: int) -> list[int]:
-        """``rid`` now holds ``blocks``; those at index >= ``fresh_from`` are
-        fresh allocations (the rest are prefix hits).  Returns the hits."""
-        mine = self.req_blocks.setdefault(rid, [])
-        hits = []
-        for i, b in enumerate(blocks):
-            if b in self.null:
+    def add_step(self, adds: Sequence[tuple[str, Sequence[int], int]]) -> tuple[list, list]:
+        """This step's block-table growth: ``(rid, blocks, n_hits)`` with the
+        first ``n_hits`` blocks served from the prefix cache and the rest
+        freshly allocated.  Fresh blocks are applied first: a block allocated
+        and cached for one request may be hit by another in the same step
+        (legal), but must not still be held from an earlier step.
+        Returns (hits as (rid, block), fresh blocks)."""
+        hits, fresh = [], []
+        for rid, blocks, n_hits in adds:
+            mine = self.req_blocks.setdefault(rid, [])
+            for b in blocks[n_hits:]:
                 mine.append(b)
-                continue
-            h = self.holders.setdefault(b, set())
-            if i >= fresh_from:
+                if b in self.null:
+                    continue
+                fresh.append(b)
                 self.fill[b] = 0
+                h = self.holders.setdefault(b, set())
                 others = h - {rid}
                 if others:
                     self._report(
                         kinds.REUSE_WITH_LIVE_OWNERS,
-                        f"block {b} handed to {rid} on the device while {', '.join(sorted(others))} "
-                        "still hold(s) it in the worker's block tables",
+                        f"block {b} handed to {rid} on the device while "
+                        f"{', '.join(sorted(others))} still hold(s) it in the worker's "
+                        "block tables",
                         [b], others, rid)
                 if b in self.sealed:
-                    # a fresh block cannot be sealed: the allocator evicted it
-                    self._unseal(b)
-            else:
-                hits.append(b)
-            h.add(rid)
-            mine.append(b)
-            self._set_lut(b)
-        return hits
+                    self._unseal(b)  # a fresh block was evicted by the allocator
+                h.add(rid)
+                self._set_producer(b, rid)
+        for rid, blocks, n_hits in adds:
+            mine = self.req_blocks[rid]
+            for b in blocks[:n_hits]:
+                mine.append(b)  # table order is not used; membership is
+                if b in self.null:
+                    continue
+                hits.append((rid, b))
+                self.holders.setdefault(b, set()).add(rid)
+        return hits, fresh
 
     # -- sealing --------------------------------------------------------------
     def _unseal(self, b: int) -> None:
@@ -271,7 +278,9 @@ class DeviceChecker:
 
     # -- poison -----------------------------------------------------------------
     def poison(self, layers, blocks: Iterable[int]) -> None:
-        blocks = [b for b in blocks if b not in self.null and not self.holders.get(b)]
+        # deliberately not filtered by the worker view: a block freed while a
+        # request still reads it is exactly what poisoning must expose
+        blocks = [b for b in dict.fromkeys(blocks) if b not in self.null]
         if not blocks or not layers:
             return
         idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)

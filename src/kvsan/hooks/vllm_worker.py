@@ -75,25 +75,19 @@ def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
         if payload["reset"]:
             dc.uncache_all()
         dc.uncache(payload["uncached"])
-    hits: list[tuple[str, int]] = []
-    fresh: list[int] = []
-
-    def add(rid, blocks, num_hit_blocks):
-        got = dc.add_blocks(rid, blocks, num_hit_blocks)
-        hits.extend((rid, b) for b in got)
-        fresh.extend(blocks[num_hit_blocks:])
-
+    adds = []
     for nr in so.scheduled_new_reqs:
         dc.drop_request(nr.req_id)  # V2 sends resumed requests as new ones
-        add(nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs)
+        adds.append((nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs))
     cr = so.scheduled_cached_reqs
     for i, rid in enumerate(cr.req_ids):
         new = cr.new_block_ids[i]
         if rid in cr.resumed_req_ids:
             dc.drop_request(rid)
-            add(rid, new[0] if new else [], cr.num_computed_tokens[i] // bs)
+            adds.append((rid, new[0] if new else [], cr.num_computed_tokens[i] // bs))
         elif new is not None:
-            add(rid, new[0], 0)
+            adds.append((rid, new[0], 0))
+    hits, fresh = dc.add_step(adds)
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
@@ -102,7 +96,9 @@ def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
         dc.will_seal(payload["cached"])
         if dc.poison_on:
             dc.unpoison(layers, fresh)
-            dc.poison(layers, payload["freed"])
+            # a block handed out again in this same step is overwritten, not read
+            handed = set(fresh)
+            dc.poison(layers, [b for b in payload["freed"] if b not in handed])
         if not _has_connector():  # connector loads write without slot mappings
             dc.verify_hits(layers, hits)
     dc.verify_sampled(layers)

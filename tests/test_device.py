@@ -1,0 +1,247 @@
+"""Device side on the real engine (in-process, V1 runner, CPU attention):
+each fault is injected into the running engine and the exact kind, block and
+owner asserted; clean traffic at the strictest settings gives zero."""
+
+import math
+import os
+
+import pytest
+
+from kvsan.config import Config
+
+pytestmark = pytest.mark.e2e
+
+PREFIX_BLOCKS = 2
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def engine(kvsan_rt):
+    """One in-process engine: kvsan in strict device settings, a tiny pool and
+    a small token budget so prefills are chunked."""
+    from vllm import LLM
+
+    from kvsan import traffic
+    from kvsan.tinymodel import ensure_tiny_model
+
+    strict = Config(enabled=True, log_events=False, checksum="all", poison=True)
+    kvsan_rt.config = strict
+    kvsan_rt.reporter.config = strict
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kw = traffic.engine_kwargs(ensure_tiny_model(), num_blocks=12)
+    kw.update(max_num_batched_tokens=48, max_num_seqs=4, max_model_len=320)
+    llm = LLM(**kw)
+    yield llm
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    kvsan_rt.config = kvsan_rt.reporter.config = Config(enabled=True, log_events=False)
+
+
+@pytest.fixture
+def eng(engine, rt):
+    assert engine.reset_prefix_cache()
+    rt.clear()
+    return engine
+
+
+def core(llm):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def runner():
+    from kvsan.hooks import vllm_worker
+
+    (r,) = list(vllm_worker._checkers)
+    return r
+
+
+def device():
+    from kvsan.hooks import vllm_worker
+
+    (dc,) = list(vllm_worker._checkers.values())
+    return dc
+
+
+def add(llm, rid, prompt, max_tokens, logprobs=None):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                       logprobs=logprobs)
+    llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), p)
+
+
+def step(llm, n=1):
+    out = {}
+    for _ in range(n):
+        for o in llm.llm_engine.step():
+            out[o.request_id] = o
+    return out
+
+
+def drain(llm):
+    out = {}
+    while llm.llm_engine.has_unfinished_requests():
+        out.update(step(llm))
+    return out
+
+
+def internal(rid):
+    sched = core_ref[0].scheduler
+    return next(r for r in sched.requests if r.startswith(rid + "-") or r == rid)
+
+
+core_ref = []
+
+
+def block_ids(llm, rid):
+    sched = core(llm).scheduler
+    full = next(r for r in sched.requests if r.split("-")[0] == rid or r.startswith(rid + "-"))
+    return full, sched.kv_cache_manager.get_block_ids(full)[0]
+
+
+def of(rt, kind, site=None):
+    return [v for v in rt.violations() if v.kind == kind and (site is None or v.site == site)]
+
+
+PREFIX = [(7 * i) % 500 + 1 for i in range(PREFIX_BLOCKS * BS)]
+
+
+def test_clean_traffic_strictest_settings(eng, rt):
+    from kvsan import traffic
+
+    res = traffic.run(eng, seed=3, groups=4, per_group=4)
+    assert res.finished > 0
+    assert rt.violations() == []
+    dc = device()
+    assert dc.counters["sealed"] > 0 and dc.counters["verified"] > 0
+    assert dc.counters["guarded_tokens"] > 0
+
+
+def test_scribble_into_sealed_block_is_checksum_mismatch(eng, rt):
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=40)
+    step(eng, 3)  # A's prefill (two chunks) done, prefix blocks sealed
+    _, a_blocks = block_ids(eng, "A")
+    target = a_blocks[1]
+    assert target in device().sealed
+    from kvsan.hooks.vllm_worker import _layers
+
+    _layers(runner())[1][target].add_(1.0)  # a stray write, no allocator call
+    add(eng, "B", PREFIX + [22] * 5, max_tokens=4)
+    step(eng)  # B is served the prefix: verified before its forward
+    bad = of(rt, "checksum_mismatch")
+    assert bad and bad[0].blocks == [target]
+    assert bad[0].details[0]["layers"] == [1]
+    b_full, _ = block_ids(eng, "B")
+    assert b_full in bad[0].owners
+    drain(eng)
+
+
+def test_slot_mapping_into_sealed_shared_block(eng, rt):
+    import wrapt
+    from vllm.v1.worker.block_table import BlockTable
+
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=40)
+    step(eng, 3)
+    add(eng, "B", PREFIX + [22] * 5, max_tokens=40)
+    step(eng, 2)  # B hit the prefix and is decoding
+    a_full, a_blocks = block_ids(eng, "A")
+    b_full, b_blocks = block_ids(eng, "B")
+    shared = a_blocks[0]
+    assert b_blocks[0] == shared
+    fired = []
+
+    def corrupt(wrapped, instance, args, kwargs):
+        ret = wrapped(*args, **kwargs)
+        if not fired:  # one bad slot: B's newest token written into block `shared`
+            n = int(args[2].shape[0]) if len(args) > 2 else int(kwargs["positions"].shape[0])
+            sm = instance.slot_mapping.gpu
+            sm[n - 1] = shared * BS + int(sm[n - 1]) % BS
+            fired.append(True)
+        return ret
+
+    from kvsan import faults
+
+    original = BlockTable.__dict__["compute_slot_mapping"]
+    wrapt.wrap_function_wrapper(BlockTable, "compute_slot_mapping", corrupt)
+    try:
+        step(eng)
+    finally:
+        BlockTable.compute_slot_mapping = original
+    bad = of(rt, "overwrite_shared_block")
+    assert bad and bad[0].blocks == [shared]
+    assert set(bad[0].owners) == {a_full, b_full}
+    assert bad[0].actor in (a_full, b_full)  # the batch's last row wrote it
+    assert "sealed" in bad[0].message
+    drain(eng)
+    assert faults is not None
+
+
+def test_hit_before_write_is_uninitialized_hit(eng, rt):
+    """Eager registration (vLLM #37152 / #43569 shape): a chunked prefill
+    registers the block its chunk ends inside as if it were full, the request
+    is cancelled, and a later request is served the half-written block."""
+    import wrapt
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+    def eager(wrapped, instance, args, kwargs):
+        ret = wrapped(*args, **kwargs)
+        request, num_new = args[0], args[1]
+        if ret is not None:
+            end = request.num_computed_tokens + num_new
+            instance.coordinator.cache_blocks(
+                request, min(-(-end // BS) * BS, request.num_tokens))
+        return ret
+
+    prompt = [(5 * i) % 450 + 1 for i in range(4 * BS)] + [9]
+    original = KVCacheManager.__dict__["allocate_slots"]
+    wrapt.wrap_function_wrapper(KVCacheManager, "allocate_slots", eager)
+    try:
+        add(eng, "A", prompt, max_tokens=4)
+        step(eng)  # first 48-token chunk: block 1 holds 16 of its 32 tokens
+        _, a_blocks = block_ids(eng, "A")
+        eng.llm_engine.abort_request(["A"])
+        step(eng)
+        add(eng, "B", prompt[:-1] + [8], max_tokens=2)
+        step(eng, 2)
+    finally:
+        KVCacheManager.allocate_slots = original
+    bad = of(rt, "uninitialized_hit")
+    assert [v.blocks for v in bad] == [[a_blocks[1]]], [(v.kind, v.blocks) for v in rt.violations()]
+    assert bad[0].owners[0].startswith("B") and "16 of its 32" in bad[0].message
+    drain(eng)
+
+
+def _scenario(name):
+    """Faults that corrupt the allocator's counts leave the engine unusable,
+    so each runs in its own in-process engine, in a child process."""
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                        "device_scenarios.py"), name],
+                          capture_output=True, text=True, timeout=600)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stderr[-3000:]
+    return json.loads(line[-1][7:])
+
+
+def test_early_free_then_reuse_seen_from_the_device():
+    r = _scenario("early_free_reuse")
+    dev = [v for v in r["violations"] if v["kind"] == "reuse_with_live_owners"
+           and v["site"] == "worker"]
+    assert dev, r["violations"]
+    assert all(v["owners"] == [r["b"]] for v in dev)
+    assert {v["blocks"][0] for v in dev} <= set(r["b_prefix"])
+    assert all(v["actor"].startswith("C") for v in dev)
+
+
+def test_poisoned_early_free_shows_in_the_output():
+    """A private block freed under its reader is NaN-filled: the stale read
+    shows up as non-finite logprobs or a parity failure instead of passing by
+    luck; without poisoning the same fault stays invisible in the output."""
+    r = _scenario("poison")
+    assert r["poisoned"] > 0
+    assert r["tokens"] != r["ref_tokens"] or not all(r["finite"])
+    fwl = [v for v in r["violations"] if v["kind"] == "free_with_live_owners"]
+    assert fwl and fwl[0]["owners"] == [r["b"]]
