@@ -107,6 +107,36 @@ class ShadowTable:
             self.since[owner] = (_monotonic(), self.clock())
         self.held[owner] = n + 1
 
+    def acquire(self, blocks, owner: str, step: int, site: int) -> None:
+        """``owner`` takes one reference on each of ``blocks``, with
+        provenance: :meth:`add_owner` + :meth:`note_acquire` per block, the
+        owner's count updated once (the allocator hot path)."""
+        own0, more, nown, cached = self.own0, self.more, self.nown, self.cached
+        acq_owner, acq_step, acq_site = self.acq_owner, self.acq_step, self.acq_site
+        n = 0
+        for b in blocks:
+            if own0[b] is None:
+                own0[b] = owner
+                self.n_owned += 1
+                if cached[b]:
+                    self.n_cached_free -= 1
+            else:
+                extra = more.get(b)
+                if extra is None:
+                    more[b] = [owner]
+                else:
+                    extra.append(owner)
+            nown[b] += 1
+            acq_owner[b] = owner
+            acq_step[b] = step
+            acq_site[b] = site
+            n += 1
+        if n:
+            had = self.held.get(owner, 0)
+            if not had:
+                self.since[owner] = (_monotonic(), self.clock())
+            self.held[owner] = had + n
+
     def remove_owner(self, b: int, owner: str) -> bool:
         """Drop one reference of ``owner`` on ``b``; False if it held none."""
         if self.own0[b] == owner:

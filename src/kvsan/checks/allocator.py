@@ -98,35 +98,48 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
-        self.counters["allocated"] += len(obs)
+        counters = self.counters
+        counters["allocated"] += len(obs)
+        null, nown, cached = sh.null, sh.nown, sh.cached
+        fresh = []
         for b, ref in obs:
-            if b in sh.null:
+            if b in null:
                 continue
+            fresh.append(b)
+            if cached[b]:
+                counters["evicted"] += 1
+            if nown[b]:
+                self._void_prior_owners(b, owner, site)
+            if cached[b]:
+                sh.set_uncached(b)
+        sh.acquire(fresh, owner, step, sid)
+        mism = self._mismatched
+        for b, ref in obs:
+            if ref != nown[b] or (mism and b in mism):
+                if b not in null:
+                    self._check_refcount(b, ref, owner, site)
+
+    def _void_prior_owners(self, b: int, owner: str, site: str) -> None:
+        """A block handed to ``owner`` still had owners: a violation if any
+        is live; either way the engine gave it away, so their claims end."""
+        sh = self.shadow
+        prior = sh.owners(b)
+        live = [o for o in prior if o not in sh.ended]
+        if live:
             if sh.cached[b]:
-                self.counters["evicted"] += 1
-            prior = sh.owners(b)
-            if prior:
-                live = [o for o in prior if o not in sh.ended]
-                if live:
-                    if sh.cached[b]:
-                        self._report(
-                            kinds.EVICT_WITH_LIVE_OWNERS,
-                            f"block {b} evicted from the prefix cache to be reused while "
-                            f"{', '.join(live)} still own(s) it",
-                            [b], live, owner, site,
-                        )
-                    self._report(
-                        kinds.REUSE_WITH_LIVE_OWNERS,
-                        f"block {b} handed to {owner} while {', '.join(live)} still own(s) it",
-                        [b], live, owner, site,
-                    )
-                # the engine gave the block away: earlier owners' claims are void
-                for o in prior:
-                    sh.remove_owner(b, o)
-            sh.set_uncached(b)
-            sh.add_owner(b, owner)
-            sh.note_acquire(b, owner, step, sid)
-            self._check_refcount(b, ref, owner, site)
+                self._report(
+                    kinds.EVICT_WITH_LIVE_OWNERS,
+                    f"block {b} evicted from the prefix cache to be reused while "
+                    f"{', '.join(live)} still own(s) it",
+                    [b], live, owner, site,
+                )
+            self._report(
+                kinds.REUSE_WITH_LIVE_OWNERS,
+                f"block {b} handed to {owner} while {', '.join(live)} still own(s) it",
+                [b], live, owner, site,
+            )
+        for o in prior:
+            sh.remove_owner(b, o)
 
     def on_share(self, obs: Sequence[tuple[int, int, bool]], owner: str, site: str) -> None:
         """Cached blocks taken by ``owner`` (prefix hit or pin).
@@ -135,18 +148,20 @@ class AllocatorChecker:
         step = self.step()
         sid = sh.site_id(site)
         self.counters["shared"] += len(obs)
+        null = sh.null
+        sh.acquire([o[0] for o in obs if o[0] not in null], owner, step, sid)
+        nown, mism = sh.nown, self._mismatched
         for b, ref, linked in obs:
-            if b in sh.null:
+            if b in null:
                 continue
-            sh.add_owner(b, owner)
-            sh.note_acquire(b, owner, step, sid)
             if linked:
                 self._report(
                     kinds.FREE_QUEUE_CORRUPTION,
                     f"block {b} is referenced by {owner} but still linked in the free queue",
                     [b], sh.owners(b), owner, site,
                 )
-            self._check_refcount(b, ref, owner, site)
+            if ref != nown[b] or (mism and b in mism):
+                self._check_refcount(b, ref, owner, site)
 
     def resolve_releaser(self, b: int, actor: str | None) -> str:
         """The owner a release is charged to: the request named by the call
@@ -174,12 +189,14 @@ class AllocatorChecker:
         sid = sh.site_id(site)
         in_call: set[int] = set()
         self.counters["released"] += len(obs)
+        null, nown, mism = sh.null, sh.nown, self._mismatched
+        rel_owner, rel_step, rel_site = sh.rel_owner, sh.rel_step, sh.rel_site
         for b, ref_before, linked_before, ref_after, linked_after in obs:
-            if b in sh.null:
+            if b in null:
                 continue
             repeated = b in in_call
             in_call.add(b)
-            releaser = self.resolve_releaser(b, actor)
+            releaser = actor if actor is not None else self.resolve_releaser(b, None)
             if not sh.remove_owner(b, releaser):
                 if repeated or (sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED):
                     self._report(
@@ -201,7 +218,9 @@ class AllocatorChecker:
                     f"(engine ref count {ref_before} -> {ref_after})",
                     [b], [releaser], releaser, site,
                 )
-            sh.note_release(b, releaser, step, sid)
+            rel_owner[b] = releaser
+            rel_step[b] = step
+            rel_site[b] = sid
             if ref_after == 0 and linked_after:
                 if linked_before:
                     self._report(
@@ -209,16 +228,17 @@ class AllocatorChecker:
                         f"block {b} inserted into the free queue while already in it",
                         [b], sh.owners(b), releaser, site,
                     )
-                live = sh.live_owners(b)
+                live = sh.live_owners(b) if nown[b] else None
                 if live:
-                    self._mismatched.add(b)  # the count gap is this same fault
+                    mism.add(b)  # the count gap is this same fault
                     self._report(
                         kinds.FREE_WITH_LIVE_OWNERS,
                         f"block {b} returned to the free queue by {releaser} while "
                         f"{', '.join(live)} still own(s) it",
                         [b], live, releaser, site,
                     )
-            self._check_refcount(b, ref_after, releaser, site)
+            if ref_after != nown[b] or (mism and b in mism):
+                self._check_refcount(b, ref_after, releaser, site)
 
     def on_retain(self, b: int, ref: int, owner: str, site: str) -> None:
         """A non-request owner took an extra reference directly (CoW retention)."""

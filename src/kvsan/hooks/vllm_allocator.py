@@ -14,6 +14,7 @@ value, and in ``log`` mode never let a kvsan failure reach the engine.
 from __future__ import annotations
 
 import sys
+import weakref
 from itertools import repeat
 from operator import attrgetter, is_not
 from time import perf_counter as _perf_counter
@@ -70,11 +71,22 @@ def _guard(rt, where: str, fn, *args) -> None:
         rt.overhead_s += _perf_counter() - t0
 
 
+#: one-entry cache in front of ``rt.checkers`` (a WeakKeyDictionary, whose
+#: lookup is a Python-level call): [runtime, weak ref to pool, checker]
+_LAST: list = [None, None, None]
+
+
 def _checker(pool):
-    rt = _rt.get()
+    rt = _rt._runtime
     if rt is None:
         return None, None
-    return rt, rt.checkers.get(pool)
+    last = _LAST
+    if last[0] is rt and last[1]() is pool:
+        return rt, last[2]
+    ck = rt.checkers.get(pool)
+    if ck is not None:
+        _LAST[:] = [rt, weakref.ref(pool), ck]
+    return rt, ck
 
 
 # ---------------------------------------------------------------- BlockPool
