@@ -19,11 +19,12 @@ occur during the test (after waiting up to ``timeout`` seconds, since an
 engine subprocess reports asynchronously) fails that test.
 
 Violations are attributed by time: a record belongs to the test whose run
-(setup to teardown) contains its timestamp; a violation of a kind the
-previous test expected that arrives within ``kvsan_grace`` seconds after
-that test ended is still counted as expected.  Anything else outside a test
-(session fixtures' teardown, engine shutdown) is reported as "between
-tests" and fails the session like any other unexpected violation.
+(setup to teardown) contains the moment it was detected.  An engine in a
+subprocess reports asynchronously, so a test that expects a violation should
+let it happen before it returns; the marker's ``timeout`` waits for it.  A
+violation detected outside any test (collection, session teardown, engine
+shutdown) is reported as "between tests" and fails the session like any
+other unexpected violation.
 """
 
 from __future__ import annotations
@@ -50,9 +51,6 @@ def pytest_addoption(parser):
                          "(default: a new temporary directory)")
     parser.addini("kvsan", type="bool", default=False,
                   help="run the session under kvsan (same as --kvsan)")
-    parser.addini("kvsan_grace", default="2",
-                  help="seconds after a test during which violations of a kind it "
-                       "expected still count as expected (default 2)")
 
 
 def pytest_configure(config):
@@ -93,7 +91,6 @@ class Gate:
         opt = config.getoption("--kvsan-report")
         self.dir = os.path.abspath(opt) if opt else tempfile.mkdtemp(prefix="kvsan-gate-")
         os.makedirs(self.dir, exist_ok=True)
-        self.grace = float(config.getini("kvsan_grace"))
         self._saved = {k: os.environ.get(k) for k in ("KVSAN", "KVSAN_REPORT")}
         self.previous_report = self._saved["KVSAN_REPORT"]
         os.environ["KVSAN"] = "1"
@@ -165,13 +162,6 @@ class Gate:
                 if w.start <= ts <= end:
                     owner, expected = w, rec["kind"] in w.expect
                     break
-            if not expected:
-                # a late report of a kind a test expected, shortly after it ended
-                for w in reversed(self.windows):
-                    if (w.end is not None and rec["kind"] in w.expect
-                            and w.end < ts <= w.end + self.grace):
-                        owner, expected = w, True
-                        break
             if owner is None:
                 # after the last test started and before it ended is covered
                 # above; otherwise: the test that ran last before it
@@ -198,10 +188,15 @@ class Gate:
         finally:
             self.current.end = time.time()
             self.current = None
+            self.poll()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        res = yield  # a failing test fails as it is; only a passing one is checked
+        try:
+            res = yield  # a failing test fails as it is; only a passing one is checked
+        finally:
+            # before fixture teardown can drop an in-process runtime
+            self._poll_in_process()
         need, timeout = _expectations(item)
         if need and self.current is not None:
             deadline = time.monotonic() + timeout

@@ -1,0 +1,168 @@
+"""The kvsan pytest gate (``pytest11`` entry point ``kvsan.pytest_plugin``),
+run on inner pytest sessions (``pytester``, each in its own interpreter).
+
+The violations are real: a double release on vLLM's real ``BlockPool`` /
+``KVCacheManager``, made in a separate process started by the inner test
+(as vLLM's EngineCore is) and in the inner pytest process itself.
+"""
+
+import os
+import sys
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+FAULT = f'''
+import subprocess, sys
+sys.path.insert(0, {TESTS!r})
+
+
+def double_release():
+    """Release one block twice on vLLM's real pool: kvsan reports
+    double_release and refcount_underflow."""
+    from vllm_objects import make_manager, make_request, schedule
+
+    m = make_manager(12)
+    a = make_request(list(range(40)), "A")
+    schedule(m, a)
+    b = m.get_blocks("A").blocks[0][0]
+    m.block_pool.free_blocks([b, b])
+
+
+def core_double_release(report=True):
+    """The same bug fed to kvsan's engine-agnostic checker, in this process,
+    reported through a kvsan runtime configured from the environment (the
+    gate's KVSAN_REPORT) -- no vLLM import, so it is quick."""
+    from kvsan import config, runtime
+    from kvsan.checks import AllocatorChecker
+
+    cfg = config.from_env() if report else config.Config(enabled=True, log_events=False)
+    rt = runtime.Runtime(cfg, role="engine", metrics=False)
+    runtime.set_runtime(rt)
+    ck = AllocatorChecker(8, emit=rt.reporter.emit)
+    ck.on_allocate([(1, 1)], "A", "fault.py:alloc:1")
+    ck.on_release([(1, 1, False, 0, True)], "A", "fault.py:free:2")
+    ck.on_release([(1, 0, True, -1, True)], "A", "fault.py:free_again:3")
+    return rt
+
+
+def in_subprocess(fault="double_release"):
+    """A child process that loads kvsan the way vLLM's processes do
+    (the general-plugin entry point, configured by the inherited environment)."""
+    code = "import fault; fault." + fault + "()"
+    if fault == "double_release":  # vLLM's real objects: load kvsan as vLLM does
+        code = "import kvsan.plugin as p; p.register(); " + code
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+'''
+
+
+@pytest.fixture
+def inner(pytester):
+    pytester.makepyfile(fault=FAULT)
+    return pytester
+
+
+def run(pytester, *args):
+    # the pytest11 entry point loads the plugin in the child interpreter
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider",
+                                         "-rA", *args, timeout=600)
+
+
+def test_off_unless_asked_and_on_with_flag_or_ini(inner):
+    inner.makepyfile(test_env="""
+        import os
+
+        def test_env():
+            print("KVSAN=%s REPORT=%s" % (os.environ.get("KVSAN"), os.environ.get("KVSAN_REPORT")))
+    """)
+    off = run(inner, "-s")
+    off.assert_outcomes(passed=1)
+    assert "KVSAN=None REPORT=None" in off.stdout.str()
+    assert "kvsan gate" not in off.stdout.str()
+
+    on = run(inner, "-s", "--kvsan")
+    on.assert_outcomes(passed=1)
+    out = on.stdout.str()
+    assert "KVSAN=1 REPORT=" in out and "kvsan gate: on" in out
+    assert "kvsan gate: no unexpected violations" in out
+    assert on.ret == 0
+
+    inner.makeini("[pytest]\nkvsan = true\n")
+    ini = run(inner, "-s")
+    assert "KVSAN=1 REPORT=" in ini.stdout.str() and ini.ret == 0
+
+
+def test_any_violation_in_any_process_fails_the_session(inner):
+    inner.makepyfile(test_gate="""
+        import pytest
+        import fault
+
+        def test_clean():
+            pass
+
+        def test_engine_subprocess():
+            fault.in_subprocess()
+
+        @pytest.fixture
+        def kvsan_here():
+            # a kvsan runtime in this process that writes no report: the gate
+            # reads its violations directly
+            from kvsan import runtime
+
+            rt = fault.core_double_release(report=False)
+            assert rt.config.report is None
+            yield rt
+            runtime.set_runtime(None)
+
+        def test_in_this_process(kvsan_here):
+            assert [v.kind for v in kvsan_here.violations()] == [
+                "double_release", "refcount_underflow"]
+    """)
+    res = run(inner, "--kvsan")
+    res.assert_outcomes(passed=3)  # every test passes; the gate fails the session
+    assert res.ret == 1
+    out = res.stdout.str()
+    assert "kvsan gate: FAILED: 6 unexpected violation(s) (0 expected)" in out, out
+    res.stdout.fnmatch_lines([
+        # a double free on vLLM's pool outside any request: four findings
+        "*test_gate.py::test_engine_subprocess: invalid_release x1, refcount_mismatch x1, "
+        "double_release x1, refcount_underflow x1",
+        "*double_release in frontend:* step 0 at fault.py:double_release:*",
+        "*test_gate.py::test_in_this_process: double_release x1, refcount_underflow x1",
+        "*double_release in engine:* at fault.py:free_again:3: A released block 1 twice*",
+        "*details: kvsan check *",
+    ])
+    assert "test_gate.py::test_clean:" not in out
+
+
+def test_expected_violations_pass_and_missing_ones_fail_the_test(inner):
+    inner.makepyfile(test_marks="""
+        import pytest
+        import fault
+
+        @pytest.mark.kvsan_expect("double_release", "refcount_underflow", timeout=60)
+        def test_expects_both():
+            fault.in_subprocess("core_double_release")
+
+        @pytest.mark.kvsan_expect("leaked_blocks", timeout=1)
+        def test_expects_a_leak_that_never_happens():
+            pass
+
+        @pytest.mark.kvsan_expect("double_release", timeout=60)
+        def test_expects_only_one_kind():
+            fault.in_subprocess("core_double_release")
+    """)
+    res = run(inner, "--kvsan")
+    res.assert_outcomes(passed=2, failed=1)
+    out = res.stdout.str()
+    res.stdout.fnmatch_lines([
+        "*kvsan: expected violation(s) did not occur during this test: "
+        "leaked_blocks (wanted >= 1, got 0)*",
+    ])
+    assert "FAILED test_marks.py::test_expects_a_leak_that_never_happens" in out
+    # the kind nobody declared still fails the session, attributed to its test
+    assert "kvsan gate: FAILED: 1 unexpected violation(s) (3 expected)" in out, out
+    res.stdout.fnmatch_lines(["*test_marks.py::test_expects_only_one_kind: refcount_underflow x1"])
