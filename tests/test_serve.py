@@ -70,6 +70,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_port_block() -> int:
+    """A base port with base, base+1 and base+100 free (kvsan's exporters)."""
+    for _ in range(50):
+        base = free_port()
+        if base + 100 > 65535:
+            continue
+        try:
+            socks = []
+            for off in (0, 1, 100):
+                sk = socket.socket()
+                socks.append(sk)
+                sk.bind(("127.0.0.1", base + off))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sk in socks:
+                sk.close()
+    raise RuntimeError("no free port block")
+
+
 def http_get(url: str, timeout: float = 30.0) -> str:
     with urllib.request.urlopen(url, timeout=timeout) as r:  # noqa: S310 - loopback
         return r.read().decode()
@@ -172,7 +193,9 @@ def server(tmp_path_factory):
         VLLM_PLUGINS="kvsan",
         KVSAN_INJECT="leak_on_abort", KVSAN_INJECT_ONLY=FAULT_MARK,
     )
-    env.pop("KVSAN_METRICS_PORT", None)
+    # and kvsan's own per-process exporters: base +0 front end, +1 EngineCore, +100 worker
+    metrics_base = free_port_block()
+    env["KVSAN_METRICS_PORT"] = str(metrics_base)
     log = work / "serve.log"
     cmd = [sys.executable, "-c", VLLM_CLI, "serve", model, "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
@@ -185,6 +208,7 @@ def server(tmp_path_factory):
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True, cwd=str(work))
     srv = Server(proc, port, str(report), model, str(log))
+    srv.metrics_base = metrics_base
     try:
         def up():
             if proc.poll() is not None:
@@ -328,6 +352,18 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     assert "0 live-owned" in cli.stdout and "0 orphan(s)" in cli.stdout
 
 
+def test_each_process_also_serves_its_own_exporter(server):
+    """KVSAN_METRICS_PORT: one port per process role and rank."""
+    for offset, role in ((0, "frontend"), (1, "engine"), (100, "worker")):
+        m = parse_metrics(http_get(f"http://127.0.0.1:{server.metrics_base + offset}/metrics"))
+        roles = {dict(ls).get("role") for (n, ls) in m if n.startswith("kvsan_")}
+        assert role in roles, (offset, roles)
+        assert metric(m, "kvsan_violations_total", role=role, kind="leaked_blocks") == 0
+    eng = parse_metrics(http_get(f"http://127.0.0.1:{server.metrics_base + 1}/metrics"))
+    assert metric(eng, "kvsan_free_blocks", role="engine") > 0
+    assert metric(eng, "kvsan_scheduler_steps_total", role="engine") > 0
+
+
 def test_injected_fault_raises_the_violation_counter(server, prometheus):
     before = metric(server.metrics(), "kvsan_violations_total", kind="leaked_blocks")
     work = prompts(seed=2, groups=1, per_group=3)
@@ -430,3 +466,19 @@ def test_dashboard_is_a_classic_importable_model():
     for p in dash["panels"]:
         assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
         assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"])
+
+
+def test_exporter_ports_and_bad_values():
+    from kvsan import exporter
+    from kvsan.config import ConfigError
+
+    assert exporter.process_rank("EngineCore_DP3") == 3
+    assert exporter.process_rank("VllmWorker-2") == 2
+    assert exporter.process_rank("MainProcess") == 0
+    assert [exporter.port_for(9400, r, k) for r, k in
+            (("frontend", 0), ("engine", 0), ("engine", 1), ("worker", 0), ("worker", 7))] == [
+        9400, 9401, 9402, 9500, 9507]
+    assert exporter.metrics_port_from_env({}) is None
+    for bad in ("x", "0", "70000", "-1"):
+        with pytest.raises(ConfigError, match="KVSAN_METRICS_PORT"):
+            exporter.metrics_port_from_env({"KVSAN_METRICS_PORT": bad})
