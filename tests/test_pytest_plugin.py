@@ -166,3 +166,14 @@ def test_expected_violations_pass_and_missing_ones_fail_the_test(inner):
     # the kind nobody declared still fails the session, attributed to its test
     assert "kvsan gate: FAILED: 1 unexpected violation(s) (3 expected)" in out, out
     res.stdout.fnmatch_lines(["*test_marks.py::test_expects_only_one_kind: refcount_underflow x1"])
+
+
+def test_ci_example_runs_the_suite_with_the_gate():
+    import yaml
+
+    root = os.path.dirname(TESTS)
+    with open(os.path.join(root, "examples", "ci-gate.yml")) as f:
+        job = yaml.safe_load(f)
+    steps = [s.get("run", "") for j in job["jobs"].values() for s in j["steps"]]
+    assert any("pytest --kvsan" in r for r in steps)
+    assert any("kvsan check" in r for r in steps)
