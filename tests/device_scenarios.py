@@ -13,15 +13,15 @@ BS = 32
 PREFIX = [(7 * i) % 500 + 1 for i in range(2 * BS)]
 
 
-def boot():
+def boot(**cfg):
     from vllm import LLM
 
     from kvsan import plugin, traffic
     from kvsan.config import Config
     from kvsan.tinymodel import ensure_tiny_model
 
-    rt = plugin.install(Config(enabled=True, log_events=False, checksum="all", poison=True),
-                        role="engine")
+    cfg = dict(enabled=True, log_events=False, checksum="all", poison=True, **cfg)
+    rt = plugin.install(Config(**cfg), role="engine")
     kw = traffic.engine_kwargs(ensure_tiny_model(), num_blocks=12)
     kw.update(max_num_batched_tokens=48, max_num_seqs=4, max_model_len=320)
     return rt, LLM(**kw)
@@ -72,6 +72,31 @@ def poison():
     (dc,) = vllm_worker._checkers.values()
     return rt, {"b": b_full, "tokens": list(out.token_ids), "ref_tokens": list(ref.token_ids),
                 "finite": finite, "poisoned": dc.counters["poisoned"]}
+
+
+def quarantine():
+    """KVSAN_QUARANTINE=3: a block freed under its reader is not handed to the
+    next allocation; clean traffic stays clean."""
+    from test_device import add, block_ids, core, drain, step
+
+    from kvsan import traffic
+
+    rt, eng = boot(quarantine=3)
+    res = traffic.run(eng, seed=5, groups=3, per_group=3)
+    clean = [v.kind for v in rt.violations()]
+    assert eng.reset_prefix_cache()
+    rt.clear()
+    add(eng, "B", [(11 * i) % 480 + 1 for i in range(BS + 20)], max_tokens=30)
+    step(eng, 3)
+    b_full, b_blocks = block_ids(eng, "B")
+    pool = core(eng).scheduler.kv_cache_manager.block_pool
+    victim = b_blocks[-1]
+    pool.free_blocks([pool.blocks[victim]])  # stray free of B's private tail
+    add(eng, "C", [(3 * i) % 400 + 1 for i in range(200)], max_tokens=1)
+    step(eng, 2)
+    _, c_blocks = block_ids(eng, "C")
+    return rt, {"clean_violations": clean, "finished": res.finished, "victim": victim,
+                "c_blocks": c_blocks, "b": b_full}
 
 
 if __name__ == "__main__":

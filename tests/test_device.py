@@ -245,3 +245,12 @@ def test_poisoned_early_free_shows_in_the_output():
     assert r["tokens"] != r["ref_tokens"] or not all(r["finite"])
     fwl = [v for v in r["violations"] if v["kind"] == "free_with_live_owners"]
     assert fwl and fwl[0]["owners"] == [r["b"]]
+
+
+def test_quarantine_keeps_a_premature_free_out_of_reuse():
+    r = _scenario("quarantine")
+    assert r["finished"] > 0 and r["clean_violations"] == []
+    assert r["victim"] not in r["c_blocks"]  # C was not handed the freed block
+    fwl = [v for v in r["violations"] if v["kind"] == "free_with_live_owners"]
+    assert fwl and fwl[0]["blocks"] == [r["victim"]] and fwl[0]["owners"] == [r["b"]]
+    assert not [v for v in r["violations"] if v["kind"] == "reuse_with_live_owners"]

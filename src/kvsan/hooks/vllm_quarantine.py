@@ -1,0 +1,126 @@
+"""KFENCE/ASan-style quarantine and its opposite, for KV blocks (EngineCore).
+
+``KVSAN_QUARANTINE=N``: a block that leaves its last owner uncached is kept
+out of the free queue for N scheduler steps (held by the non-request owner
+``pin:kvsan-quarantine``), so a stale reader keeps reading the freed bytes
+(or, with ``KVSAN_POISON=1``, NaN) instead of someone else's, and the
+device checks see the premature free.  Only uncached blocks: a cached free
+block must stay revivable by a prefix hit.  Costs pool capacity (up to the
+blocks freed in N steps), which can cause extra preemption; never changes
+what a request computes.
+
+``KVSAN_QUARANTINE=pressure``: the opposite.  Blocks that leave their last
+owner are moved to the head of the free queue, cached ones included, so a
+premature free is reused and overwritten at once instead of passing by luck.
+Changes eviction order only (prefix hit rate may drop).
+
+Both wrap outside kvsan's allocator hooks, so the checks observe the engine's
+own free first.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import wrapt
+
+from .. import runtime as _rt
+from .vllm_allocator import _guard
+
+OWNER = "pin:kvsan-quarantine"
+_held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {block: release step}
+_patched: list = []
+_releasing: list = []  # non-empty while quarantine hands blocks back
+
+
+def _freed(pool, blocks):
+    return [b for b in blocks
+            if not b.is_null and (b.pool is None or b.pool is pool)
+            and b.ref_cnt == 0 and b.prev_free_block is not None]
+
+
+def _quarantine_free(steps: int):
+    def wrapper(wrapped, instance, args, kwargs):
+        blocks = list(args[0]) if args else list(kwargs.pop("ordered_blocks"))
+        ret = wrapped(blocks, *args[1:], **kwargs)
+        rt = _rt.get()
+        ck = rt.checkers.get(instance) if rt is not None else None
+        if ck is None or _releasing:
+            return ret
+
+        def hold():
+            held = _held.setdefault(instance, {})
+            for b in _freed(instance, blocks):
+                if b.block_hash is not None:
+                    continue
+                instance.free_block_queue.remove(b)
+                b.ref_cnt = 1
+                ck.on_retain(b.block_id, 1, OWNER, "kvsan.quarantine")
+                held[b.block_id] = rt.step + steps
+        _guard(rt, "quarantine", hold)
+        return ret
+    return wrapper
+
+
+def release(pool, everything: bool = False) -> None:
+    rt = _rt.get()
+    held = _held.get(pool)
+    if not held or rt is None:
+        return
+    due = [b for b, at in held.items() if everything or at <= rt.step]
+    for b in due:
+        del held[b]
+    if due:
+        _releasing.append(True)
+        try:
+            pool.free_blocks([pool.blocks[b] for b in due])
+        finally:
+            _releasing.pop()
+
+
+def _schedule(wrapped, instance, args, kwargs):
+    pool = getattr(getattr(instance, "kv_cache_manager", None), "block_pool", None)
+    if pool is not None:
+        release(pool)
+    return wrapped(*args, **kwargs)
+
+
+def _reset(wrapped, instance, args, kwargs):
+    release(instance, everything=True)  # a reset needs every block free
+    return wrapped(*args, **kwargs)
+
+
+def _pressure_free(wrapped, instance, args, kwargs):
+    blocks = list(args[0]) if args else list(kwargs.pop("ordered_blocks"))
+    ret = wrapped(blocks, *args[1:], **kwargs)
+    cached = [b for b in _freed(instance, blocks) if b.block_hash is not None]
+    if cached:
+        q = instance.free_block_queue
+        for b in cached:
+            q.remove(b)
+        q.prepend_n(cached)
+    return ret
+
+
+def install(cfg) -> list[str]:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if cfg.quarantine:
+        targets = [(BlockPool, "free_blocks", _quarantine_free(cfg.quarantine)),
+                   (Scheduler, "schedule", _schedule),
+                   (BlockPool, "reset_prefix_cache", _reset)]
+    elif cfg.pressure:
+        targets = [(BlockPool, "free_blocks", _pressure_free)]
+    else:
+        return []
+    for cls, attr, wrapper in targets:
+        _patched.append((cls, attr, cls.__dict__[attr]))
+        wrapt.wrap_function_wrapper(cls, attr, wrapper)
+    return [f"quarantine:{cls.__name__}.{attr}" for cls, attr, _ in targets]
+
+
+def uninstall() -> None:
+    while _patched:
+        cls, attr, original = _patched.pop()
+        setattr(cls, attr, original)
