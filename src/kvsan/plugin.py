@@ -47,6 +47,10 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     installed, missing = [], []
     if rt.role != "worker":
         installed, missing = hooks.instrument(vllm_allocator.targets())
+    if rt.role != "worker" and (cfg.quarantine or cfg.pressure) and not missing:
+        from .hooks import vllm_quarantine
+
+        installed.extend(vllm_quarantine.install(cfg))
     _install_device_hooks(rt, installed, missing)
     if rt.role != "worker":
         _install_owners_utility()
@@ -117,7 +121,9 @@ def _install_owners_utility() -> None:
 def uninstall() -> None:
     """Remove every patch and forget this process's state."""
     from . import hooks, owners
+    from .hooks import vllm_quarantine
 
+    vllm_quarantine.uninstall()
     hooks.uninstrument()
     owners.uninstall_engine_method()
     rt = _rt.get()
