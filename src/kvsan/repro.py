@@ -113,6 +113,7 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
     c_added = False
     preempted_b: list[int] = []
     c_seen: list[int] = []
+    min_free = [geo.num_blocks]  # the fewest free blocks seen once C arrived
 
     def note_b():
         nonlocal b_shared
@@ -124,10 +125,10 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
     def add_c():
         nonlocal c_added
         c_added = True
-        # exactly the free blocks (less what a waiting B is about to take):
+        # exactly the free blocks (less what B's prompt still needs):
         # vLLM admits C only when its whole prompt fits, and C's first decode
         # token then needs a block that is not there
-        reserve = 0 if v.block_ids("B") else -(-len(toks["B"]) // geo.block)
+        reserve = max(0, -(-len(toks["B"]) // geo.block) - len(v.block_ids("B")))
         n = (v.num_free() - reserve) * geo.block
         n = max(geo.block, min(n, (geo.max_model_len - geo.c_max - 1) // geo.block * geo.block))
         v.add("C", toks["C"][:n], geo.c_max, priority=1 if not race else 0)
@@ -173,6 +174,8 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
                     cancel_a("in flight, the step that produces A's last token", True)
             do_step()
             note_b()
+            if c_added:
+                min_free[0] = min(min_free[0], v.num_free())
             if c_added and not c_seen and v.block_ids("C"):
                 c_seen.append(step)
                 ev.append({"step": step, "what": f"C holds {len(v.block_ids('C'))} blocks",
@@ -205,6 +208,7 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
         res["steps"] = step
     res["cancelled"] = cancelled
     res["b_preempted_at"] = preempted_b
+    res["min_free_after_c"] = min_free[0]
     res["b_shared"] = b_shared
     res["same_blocks"] = bool(b_shared) and b_shared == a_blocks[:npre]
     res["same_hashes"] = bool(b_shared) and res.get("b_hashes") == res["a_hashes"] \
@@ -287,6 +291,8 @@ def print_moment(res: dict, parity: ed.Parity, out=sys.stdout) -> None:
         p(f"   step {e['step']:>3} {e['what']:<58} {_fmt_blocks(e)}{extra}")
     if res.get("a_finish"):
         p(f"   A ended as: {res['a_finish']}")
+    if "min_free_after_c" in res:
+        p(f"   C's pressure: fewest free blocks after C arrived: {res['min_free_after_c']}")
     if res.get("b_preempted_at"):
         p(f"   B preempted at step(s) {res['b_preempted_at']}")
     mv = res.get("movements", {})
@@ -418,7 +424,8 @@ def main(args) -> int:
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump({"moments": results, "failed": failed, "inject": args.inject,
-                       "reference": box.get("ref")}, f, default=str)
+                       "reference_tokens": len(box.get("ref", {}).get("tokens", ()))},
+                      f, default=str)
     print(f"\nkvsan repro: {len(moments) - len(failed)}/{len(moments)} moment(s) clean"
           + (f"; failing: {', '.join(failed)}" if failed else "")
           + f"  ({time.time() - t0:.0f}s)")

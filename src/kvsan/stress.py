@@ -165,6 +165,38 @@ def shows(res: dict, sig: dict, ref: dict, tol: float) -> bool:
     return rid is not None and not ed.compare(res["outputs"].get(rid), ref.get(rid), tol).ok
 
 
+def shrink(reqs: list[Req], test, budget, keep: set[str] = frozenset(),
+           cut: int | None = None) -> list[Req]:
+    """Delta debugging (ddmin, complements only) over the requests: the
+    smallest subset for which ``test`` still shows the problem, within the
+    replays ``budget()`` has left.  Requests in ``keep`` are never dropped;
+    ``cut`` first tries only the requests that arrived by that step."""
+    cur = list(reqs)
+    if cut is not None:
+        first = [r for r in cur if r.arrive <= cut or r.rid in keep]
+        if len(first) < len(cur) and budget() > 0 and test(first):
+            cur = first
+    n = 2
+    while len(cur) >= 2 and budget() > 0:
+        size = -(-len(cur) // n)
+        chunks = [cur[i:i + size] for i in range(0, len(cur), size)]
+        reduced = False
+        for ch in chunks:
+            if budget() <= 0:
+                break
+            if keep & {r.rid for r in ch}:
+                continue
+            cand = [r for r in cur if r not in ch]
+            if cand and test(cand):
+                cur, n, reduced = cand, max(n - 1, 2), True
+                break
+        if not reduced:
+            if n >= len(cur):
+                break
+            n = min(len(cur), 2 * n)
+    return cur
+
+
 def _child_shrink() -> None:
     """Delta debugging over the requests; each candidate on a fresh engine
     in this one process (the fault, if any, was injected at start)."""
@@ -196,30 +228,7 @@ def _child_shrink() -> None:
               flush=True)
         return ok
 
-    cur = reqs
-    # first try: only the requests that arrived before the problem appeared
-    if spec.get("cut") is not None:
-        cut = [r for r in cur if r.arrive <= spec["cut"] or r.rid in keep]
-        if len(cut) < len(cur) and budget > 0 and test(cut):
-            cur = cut
-    n = 2
-    while len(cur) >= 2 and budget > 0:
-        size = -(-len(cur) // n)
-        chunks = [cur[i:i + size] for i in range(0, len(cur), size)]
-        reduced = False
-        for ch in chunks:
-            if budget <= 0:
-                break
-            if keep & {r.rid for r in ch}:
-                continue
-            cand = [r for r in cur if r not in ch]
-            if cand and test(cand):
-                cur, n, reduced = cand, max(n - 1, 2), True
-                break
-        if not reduced:
-            if n >= len(cur):
-                break
-            n = min(len(cur), 2 * n)
+    cur = shrink(reqs, test, lambda: budget, keep, spec.get("cut"))
     ed.emit({"trace": [asdict(r) for r in cur], "runs_left": budget})
 
 
