@@ -30,7 +30,27 @@ def summarize(records: list[dict], out=sys.stdout) -> int:
         where = f"step {r.get('step')} {r.get('role')}:{r.get('pid')} at {r.get('site')}"
         print(f"  {kind:<24} {counts[kind]:>6} {len(blocks[kind]):>7}  {where}", file=out)
         print(f"  {'':<24} {'':>6} {'':>7}  {r.get('message', '')}", file=out)
+    _print_classes(viol, out)
     return len(viol)
+
+
+def _print_classes(viol: list[dict], out) -> None:
+    """A wrong prefix hit is a bad cache key or corruption: say which."""
+    from .kinds import BAD_CACHE_KEY, CLASS_OF, CORRUPTION
+
+    for label, cls in (("bad cache key (identity mismatch)", BAD_CACHE_KEY),
+                       ("corruption (use-after-free / overwrite)", CORRUPTION)):
+        these = [r for r in viol if (r.get("class") or CLASS_OF.get(r["kind"])) == cls]
+        if not these:
+            continue
+        kinds_ = Counter(r["kind"] for r in these)
+        blocks = sorted({b for r in these for b in r.get("blocks") or ()})
+        shown = ", ".join(f"{k} x{n}" for k, n in kinds_.items())
+        print(f"  {label}: {len(these)} record(s) on {len(blocks)} block(s): {shown}", file=out)
+        if cls == BAD_CACHE_KEY:
+            fields = Counter(f for r in these for d in r.get("details") or ()
+                             for f in d.get("fields", ()))
+            print(f"    differing fields: {dict(fields)}", file=out)
 
 
 def cmd_check(args) -> int:

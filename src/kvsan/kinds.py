@@ -42,3 +42,23 @@ DEVICE_KINDS = (
 )
 
 ALL_KINDS = ALLOCATOR_KINDS + (OVERWRITE_SHARED_BLOCK, CHECKSUM_MISMATCH, UNINITIALIZED_HIT)
+
+# identity audit (EngineCore)
+CACHE_KEY_MISMATCH = "cache_key_mismatch"
+ALL_KINDS = ALL_KINDS + (CACHE_KEY_MISMATCH,)
+
+#: what a wrong prefix hit is, by the kind that reported it: a bad cache key
+#: (the right bytes for some other input) or corruption (the bytes changed
+#: under their owners: use-after-free, overwrite).  Leak/accounting kinds are
+#: neither.
+BAD_CACHE_KEY = "bad_cache_key"
+CORRUPTION = "corruption"
+CLASS_OF = {
+    CACHE_KEY_MISMATCH: BAD_CACHE_KEY,
+    FREE_WITH_LIVE_OWNERS: CORRUPTION,
+    REUSE_WITH_LIVE_OWNERS: CORRUPTION,
+    EVICT_WITH_LIVE_OWNERS: CORRUPTION,
+    OVERWRITE_SHARED_BLOCK: CORRUPTION,
+    CHECKSUM_MISMATCH: CORRUPTION,
+    UNINITIALIZED_HIT: CORRUPTION,
+}

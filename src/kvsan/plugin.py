@@ -47,6 +47,10 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     installed, missing = [], []
     if rt.role != "worker":
         installed, missing = hooks.instrument(vllm_allocator.targets())
+    if rt.role != "worker":
+        from .hooks import vllm_identity
+
+        installed.extend(vllm_identity.install())
     if rt.role != "worker" and (cfg.quarantine or cfg.pressure) and not missing:
         from .hooks import vllm_quarantine
 
@@ -124,6 +128,9 @@ def uninstall() -> None:
     from .hooks import vllm_quarantine
 
     vllm_quarantine.uninstall()
+    from .hooks import vllm_identity
+
+    vllm_identity.uninstall()
     hooks.uninstrument()
     owners.uninstall_engine_method()
     rt = _rt.get()

@@ -50,8 +50,13 @@ class Violation:
     ts: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
+        from .kinds import CLASS_OF
+
         rec = {"record": "violation", "schema": SCHEMA}
         rec.update(asdict(self))
+        # a wrong hit is either a bad cache key or corruption; kvsan check
+        # prints the two apart
+        rec["class"] = CLASS_OF.get(self.kind)
         return rec
 
 

@@ -1,0 +1,190 @@
+"""vLLM adapter for the cache identity audit (EngineCore).
+
+Producer identity when ``BlockPool.cache_full_blocks`` registers a block;
+consumer identity when ``KVCacheManager.allocate_slots`` is handed prefix
+hits.  Epochs that vLLM's block hash leaves out are tracked here: the
+weights epoch (bumped by every weight update or reload RPC and by
+``set_weight_version``) and a per-name LoRA load epoch (``add_lora``).
+Everything is read from the Request, never from vLLM's extra keys.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import wrapt
+
+from .. import runtime as _rt
+from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
+from .vllm_allocator import _guard
+
+_state = {"weights_epoch": 0, "model": None, "dtype": None}
+_lora_epochs: dict[str, int] = {}
+_chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> chain
+_audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
+_patched: list = []
+WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
+               "update_weights_from", "init_weight_transfer")
+
+
+def bump_weights_epoch() -> int:
+    _state["weights_epoch"] += 1
+    return _state["weights_epoch"]
+
+
+def _weights() -> bytes:
+    return digest("weights", text(_state["model"]), text(_state["weights_epoch"]))
+
+
+def _audit(rt, pool) -> IdentityAudit | None:
+    if rt is None or pool not in rt.checkers:
+        return None
+    a = _audits.get(pool)
+    if a is None:
+        a = _audits[pool] = IdentityAudit(rt.reporter.emit, rt.get_step)
+    return a
+
+
+def _chain(request, bs: int, upto: int) -> RequestIdentity:
+    ident = _chains.get(request)
+    if ident is None:
+        lr = request.lora_request
+        lora = digest("lora", *(
+            (text(lr.lora_name), text(lr.lora_int_id), text(lr.lora_path),
+             text(_lora_epochs.get(lr.lora_name, 0))) if lr else (b"",)))
+        ident = RequestIdentity(lora, digest("salt", text(request.cache_salt)),
+                                b"", digest("dtype", text(_state["dtype"])))
+        _chains[request] = ident
+    if len(ident.tok) < upto:
+        tokens = request.all_token_ids
+        feats = [(f.identifier, f.mm_position.offset, f.mm_position.length)
+                 for f in (request.mm_features or ())]
+        embeds = request.prompt_embeds
+
+        def mm(k):
+            lo, hi = k * bs, (k + 1) * bs
+            return b"|".join(text((ident_, off - lo)) for ident_, off, n in feats
+                             if off < hi and off + n > lo)
+
+        def emb(k):
+            if embeds is None or k * bs >= len(embeds):
+                return b""
+            part = embeds[k * bs:(k + 1) * bs].detach().cpu().contiguous()
+            return hashlib_digest(part)
+
+        ident.extend(upto, lambda k: tokens[k * bs:(k + 1) * bs], mm, emb)
+    return ident
+
+
+def hashlib_digest(t) -> bytes:
+    import torch
+
+    if t.dtype in (torch.bfloat16, torch.float16):
+        t = t.view(torch.int16)
+    return digest("embeds", t.numpy().tobytes())
+
+
+def _fields(ident: RequestIdentity, k: int) -> tuple:
+    tok, lora, salt, mm, emb, _, dtype = ident.fields(k)
+    return (tok, lora, salt, mm, emb, _weights(), dtype)
+
+
+def _cache_full_blocks(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    audit = _audit(rt, instance)
+    if audit is not None:
+        def note():
+            names = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
+            v = dict(zip(names, args))
+            v.update({k: kwargs[k] for k in names if k in kwargs})
+            request, blocks = v["request"], v["blocks"]
+            lo, hi = v["num_cached_blocks"], v["num_full_blocks"]
+            ident = _chain(request, instance.hash_block_size, hi)
+            for i in range(lo, hi):
+                b = blocks[i]
+                if b.is_null or b.block_hash is None:
+                    continue
+                audit.on_cached(b.block_id, bytes(b.block_hash), request.request_id,
+                                _fields(ident, i))
+        _guard(rt, "identity.cache", note)
+    return ret
+
+
+def _allocate_slots(wrapped, instance, args, kwargs):
+    rt = _rt.get()
+    audit = _audit(rt, instance.block_pool) if rt is not None else None
+    if audit is not None:
+        def check():
+            request = args[0] if args else kwargs["request"]
+            hits = args[3] if len(args) > 3 else kwargs.get("new_computed_blocks")
+            if hits is None:
+                return
+            blocks = hits.blocks[0] if hits.blocks else ()
+            if not blocks:
+                return
+            ident = _chain(request, instance.block_pool.hash_block_size, len(blocks))
+            for i, b in enumerate(blocks):
+                if not b.is_null:
+                    audit.on_hit(b.block_id, None if b.block_hash is None else bytes(b.block_hash),
+                                 request.request_id, _fields(ident, i), i)
+        _guard(rt, "identity.hit", check)
+    return wrapped(*args, **kwargs)
+
+
+def _collective_rpc(wrapped, instance, args, kwargs):
+    method = args[0] if args else kwargs.get("method")
+    if isinstance(method, str) and method.startswith(WEIGHT_RPCS):
+        bump_weights_epoch()
+    return wrapped(*args, **kwargs)
+
+
+def _set_weight_version(wrapped, instance, args, kwargs):
+    bump_weights_epoch()
+    return wrapped(*args, **kwargs)
+
+
+def _add_lora(wrapped, instance, args, kwargs):
+    lr = args[0] if args else kwargs["lora_request"]
+    _lora_epochs[lr.lora_name] = _lora_epochs.get(lr.lora_name, 0) + 1
+    return wrapped(*args, **kwargs)
+
+
+def _scheduler_init(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    try:
+        _state["model"] = instance.vllm_config.model_config.model
+        _state["dtype"] = instance.cache_config.cache_dtype
+    except AttributeError:
+        pass
+    return ret
+
+
+def install() -> list[str]:
+    import importlib
+
+    targets = [
+        ("vllm.v1.core.block_pool", "BlockPool", "cache_full_blocks", _cache_full_blocks),
+        ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", _allocate_slots),
+        ("vllm.v1.core.sched.scheduler", "Scheduler", "__init__", _scheduler_init),
+        ("vllm.v1.engine.core", "EngineCore", "collective_rpc", _collective_rpc),
+        ("vllm.v1.engine.core", "EngineCore", "set_weight_version", _set_weight_version),
+        ("vllm.v1.engine.core", "EngineCore", "add_lora", _add_lora),
+    ]
+    done = []
+    for module, cls_name, attr, wrapper in targets:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+            original = cls.__dict__[attr]
+        except (ImportError, AttributeError, KeyError):
+            continue
+        _patched.append((cls, attr, original))
+        wrapt.wrap_function_wrapper(cls, attr, wrapper)
+        done.append(f"identity:{cls_name}.{attr}")
+    return done
+
+
+def uninstall() -> None:
+    while _patched:
+        cls, attr, original = _patched.pop()
+        setattr(cls, attr, original)

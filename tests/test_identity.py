@@ -1,0 +1,175 @@
+"""Cache identity audit against vLLM's real KVCacheManager, BlockPool,
+Requests and block hasher: each cache-key bug is injected into vLLM's hash
+inputs, and kvsan must name the differing field; with correct keys it stays
+silent, and a use-after-free is classified as corruption, not a key bug."""
+
+import pytest
+
+from conftest import kinds_of
+from vllm_objects import BLOCK, make_manager
+
+pytestmark = pytest.mark.engine
+
+TOKENS = list(range(1, 3 * BLOCK + 5))
+
+
+def request(rid, tokens=TOKENS, **kw):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_objects import _hasher
+
+    return Request(request_id=rid, prompt_token_ids=list(tokens),
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   block_hasher=_hasher, **kw)
+
+
+def lora(name, int_id, path="/adapters/x"):
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, path)
+
+
+def serve(m, r):
+    computed, hit = m.get_computed_blocks(r)[:2]
+    assert m.allocate_slots(r, r.num_tokens - hit, hit, computed) is not None
+    r.num_computed_tokens = r.num_tokens
+    return hit
+
+
+def mismatches(rt):
+    return [v for v in rt.violations() if v.kind == "cache_key_mismatch"]
+
+
+def producer_then_consumer(a, b):
+    m = make_manager(24)
+    serve(m, a)
+    hit = serve(m, b)
+    return m, hit
+
+
+@pytest.fixture
+def kcu(monkeypatch):
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    # rebuild hashes with the patched functions: they are module globals
+    return kcu
+
+
+def fields_of(rt):
+    return {tuple(v.details[0]["fields"]) for v in mismatches(rt)}
+
+
+def test_lora_left_out_of_block_hash(rt, kcu, monkeypatch):
+    monkeypatch.setattr(kcu, "_gen_lora_extra_hash_keys", lambda r: [])
+    m, hit = producer_then_consumer(request("A", lora_request=lora("sql", 1, "/a/sql")),
+                                    request("B", lora_request=lora("chat", 2, "/a/chat")))
+    assert hit == 3 * BLOCK
+    bad = mismatches(rt)
+    assert len(bad) == 3 and fields_of(rt) == {("lora",)}
+    assert bad[0].owners == ["A", "B"] and bad[0].actor == "B"
+    assert bad[0].blocks == [m.get_block_ids("A")[0][0]]
+
+
+def test_two_adapters_same_name_different_ids(rt):
+    # vLLM keys LoRA by (name, path): a re-registered adapter under the same
+    # name and path but another id shares the prefix
+    m, hit = producer_then_consumer(request("A", lora_request=lora("sql", 1)),
+                                    request("B", lora_request=lora("sql", 7)))
+    assert hit == 3 * BLOCK
+    assert fields_of(rt) == {("lora",)}
+
+
+def test_lora_name_colliding_with_cache_salt(rt, kcu, monkeypatch):
+    original = kcu.generate_block_hash_extra_keys
+
+    def untagged(request, start, end, mm_idx):  # extra keys flattened without tags
+        keys, nxt = original(request, start, end, mm_idx)
+        if not keys:
+            return keys, nxt
+        return tuple(k[1] for k in keys), nxt
+
+    monkeypatch.setattr(kcu, "generate_block_hash_extra_keys", untagged)
+    monkeypatch.setattr(kcu, "_gen_lora_extra_hash_keys",
+                        lambda r: [("lora", r.lora_request.lora_name)] if r.lora_request else [])
+    m, hit = producer_then_consumer(request("A", lora_request=lora("tenant", 1)),
+                                    request("B", cache_salt="tenant"))
+    assert hit > 0
+    assert fields_of(rt) == {("lora", "cache_salt")}
+
+
+def test_cache_salt_left_out(rt, kcu, monkeypatch):
+    original = kcu.generate_block_hash_extra_keys
+
+    def no_salt(request, start, end, mm_idx):
+        keys, nxt = original(request, start, end, mm_idx)
+        keys = tuple(k for k in keys or () if k[0] != "cache_salt") or None
+        return keys, nxt
+
+    monkeypatch.setattr(kcu, "generate_block_hash_extra_keys", no_salt)
+    producer_then_consumer(request("A", cache_salt="tenant-a"),
+                           request("B", cache_salt="tenant-b"))
+    assert fields_of(rt) == {("cache_salt",)}
+
+
+def test_multimodal_identifiers_left_out(rt, kcu, monkeypatch):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    monkeypatch.setattr(kcu, "_gen_mm_extra_hash_keys", lambda r, s, e, i: ([], i))
+
+    def image(ident):
+        return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                      mm_position=PlaceholderRange(offset=4, length=8))]
+
+    producer_then_consumer(request("A", mm_features=image("img-cat")),
+                           request("B", mm_features=image("img-dog")))
+    assert fields_of(rt) == {("multimodal",)}
+
+
+def test_weights_updated_without_prefix_reset(rt):
+    from kvsan.hooks import vllm_identity
+
+    m = make_manager(24)
+    serve(m, request("A"))
+    vllm_identity.bump_weights_epoch()  # what EngineCore.collective_rpc("update_weights") does
+    serve(m, request("B", TOKENS[:-1] + [999]))
+    assert fields_of(rt) == {("weights_epoch",)}
+
+
+def test_different_tokens_forced_to_the_same_hash(rt, kcu, monkeypatch):
+    original = kcu.hash_block_tokens
+    monkeypatch.setattr(kcu, "hash_block_tokens",
+                        lambda fn, parent, tokens, extra=None: original(fn, parent, (), extra))
+    other = [t + 1000 for t in TOKENS]
+    m, hit = producer_then_consumer(request("A"), request("B", other))
+    assert hit == 3 * BLOCK
+    assert fields_of(rt) == {("tokens",)}
+
+
+def test_correct_keys_are_silent(rt):
+    m = make_manager(32)
+    reqs = [request("A", lora_request=lora("sql", 1)), request("B", lora_request=lora("chat", 2)),
+            request("C", cache_salt="t1"), request("D", cache_salt="t2"),
+            request("E"), request("F", TOKENS[:-1] + [7])]
+    hits = [serve(m, r) for r in reqs]
+    assert hits[-1] == 3 * BLOCK  # F shares E's prefix for real
+    assert kinds_of(rt) == []
+
+
+def test_use_after_free_is_corruption_not_a_key_bug(rt):
+    from vllm.v1.request import RequestStatus
+
+    m = make_manager(7)
+    a, b = request("A"), request("B", TOKENS[:-1] + [7])
+    serve(m, a)
+    serve(m, b)
+    shared = m.get_block_ids("A")[0][:3]
+    for bid in shared:
+        m.block_pool.blocks[bid].ref_cnt -= 1
+    a.status = RequestStatus.FINISHED_ABORTED
+    m.free(a)
+    serve(m, request("C", list(range(600, 600 + 3 * BLOCK))))
+    recs = [v.to_record() for v in rt.violations()]
+    assert recs and not mismatches(rt)
+    wrong = [r for r in recs if r["kind"] in ("free_with_live_owners", "reuse_with_live_owners")]
+    assert wrong and all(r["class"] == "corruption" for r in wrong)
