@@ -1,0 +1,147 @@
+"""Per-event benchmark: what kvsan adds to each allocator call of vLLM's own
+``BlockPool`` (allocate, touch, free, cache, evict), as a ratio on / off.
+
+Two real pools with the same seeded call sequence, one built with kvsan
+active, one without; kvsan's patches are switched between them batch by
+batch, so both see the same machine drift.  Calls are made inside a request
+owner context, as vLLM's managers make them (kvsan's manager-level hooks are
+measured by the scheduler benchmark).  A cycle, per request of ``k`` blocks:
+``get_new_blocks(k)`` (allocate; from the second cycle it reuses cached free
+blocks, so it also evicts), ``cache_full_blocks`` (cache), ``touch`` by a
+second request (a prefix hit), ``free_blocks`` by both (free), and
+``evict_blocks`` on a quarter of them (evict: hash dropped).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from .common import median, ratio_cell, table
+
+EVENTS = ("allocate", "cache", "touch", "free", "evict")
+BLOCK = 16
+
+
+def _request(rid: str, tokens: list[int]):
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from .sched import _hasher
+
+    return Request(request_id=rid, prompt_token_ids=tokens,
+                   sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                   block_hasher=_hasher())
+
+
+class PoolLane:
+    def __init__(self, setting: str, num_blocks: int, k: int, batch: int):
+        from vllm.v1.core.block_pool import BlockPool
+
+        from .sched import _activate, _runtime_for
+
+        self.setting = setting
+        self.rt = _runtime_for(setting)
+        _activate(self)
+        self.pool = BlockPool(num_blocks, enable_caching=True, hash_block_size=BLOCK)
+        self.k, self.batch = k, batch
+        self.times = {e: [] for e in EVENTS}
+        self.cycle = 0
+
+    def run_batch(self) -> None:
+        """One cycle; each event is timed as a phase over the whole batch
+        (thread CPU time: the machine is shared, waiting is not counted)."""
+        from kvsan import runtime as _rt
+
+        pool, k, clock = self.pool, self.k, time.thread_time_ns
+        ctx = _rt.get().owner_ctx if _rt.get() is not None else []
+        rids = [f"c{self.cycle}-{j}" for j in range(self.batch)]
+        reqs = [_request(rid, [self.cycle * 100_000 + j * 1000 + i for i in range(k * BLOCK)])
+                for j, rid in enumerate(rids)]
+        t = {}
+        held = []
+        t0 = clock()
+        for rid in rids:
+            ctx.append((rid, "alloc"))
+            held.append(pool.get_new_blocks(k))
+            ctx.pop()
+        t["allocate"] = clock() - t0
+        t0 = clock()
+        for rid, req, blocks in zip(rids, reqs, held):
+            ctx.append((rid, "alloc"))
+            pool.cache_full_blocks(req, blocks, 0, k, BLOCK, 0)
+            ctx.pop()
+        t["cache"] = clock() - t0
+        hits = [rid + "-hit" for rid in rids]
+        t0 = clock()
+        for rid, blocks in zip(hits, held):
+            ctx.append((rid, "alloc"))
+            pool.touch(blocks)
+            ctx.pop()
+        t["touch"] = clock() - t0
+        t0 = clock()
+        for owners in (hits, rids):
+            for rid, blocks in zip(owners, held):
+                ctx.append((rid, "free"))
+                pool.free_blocks(reversed(blocks))
+                ctx.pop()
+        t["free"] = clock() - t0
+        ids = {b.block_id for blocks in held[::4] for b in blocks}
+        t0 = clock()
+        pool.evict_blocks(ids)
+        t["evict"] = clock() - t0
+        for e in EVENTS:
+            self.times[e].append(t[e])
+        self.cycle += 1
+
+
+def bench(num_blocks: int = 4096, k: int = 4, batch: int = 64, batches: int = 60) -> dict:
+    """Per event: ratio on / off of the time per batch, median and spread
+    over batches, and the absolute cost per call."""
+    from kvsan import hooks
+    from kvsan import runtime as _rt
+
+    from .sched import _activate
+
+    lanes = [PoolLane(s, num_blocks, k, batch) for s in ("off", "default")]
+    gc.collect()
+    gc.freeze()  # as vLLM's EngineCore does after start-up
+    try:
+        for i in range(batches):
+            for lane in (lanes if i % 2 == 0 else lanes[::-1]):
+                _activate(lane)
+                lane.run_batch()
+    finally:
+        gc.unfreeze()
+        hooks.uninstrument()
+        _rt.set_runtime(None)
+    off, on = lanes
+    if on.rt.violations():
+        raise AssertionError([v.kind for v in on.rt.violations()])
+    calls = {"allocate": batch, "cache": batch, "touch": batch, "free": 2 * batch, "evict": 1}
+    res = {}
+    for e in EVENTS:
+        ratios = [a / b for a, b in zip(on.times[e][2:], off.times[e][2:]) if b]
+        res[e] = {
+            "ratios": ratios,
+            "off_us": median(off.times[e][2:]) / calls[e] / 1e3,
+            "on_us": median(on.times[e][2:]) / calls[e] / 1e3,
+        }
+    res["_params"] = {"num_blocks": num_blocks, "k": k, "batch": batch, "batches": batches}
+    return res
+
+
+def markdown(res: dict) -> str:
+    p = res["_params"]
+    rows = []
+    for e in EVENTS:
+        r = res[e]
+        per = f"{p['k']} blocks" if e != "evict" else f"{p['batch'] // 4 * p['k']} blocks"
+        rows.append([e, per, f"{r['off_us']:.2f}", f"{r['on_us']:.2f}",
+                     f"{r['on_us'] - r['off_us']:.2f}", ratio_cell(r["ratios"])])
+    return table(["event", "per call", "vLLM µs/call", "with kvsan µs/call",
+                  "added µs", "with / without (median, min-max)"], rows)
+
+
+if __name__ == "__main__":
+    print(markdown(bench()))

@@ -1,0 +1,153 @@
+"""Scale benchmark: shadow memory per block, full-audit time, and per-step
+cost against blocks changed per step, for pools of 10k, 100k and 1M blocks.
+
+* memory: ``tracemalloc`` over the table's own structures (owner strings and
+  cache keys belong to the engine and are created beforehand), empty, with
+  every block owned (16 blocks per request), and with every block cached and
+  shared by two owners at 10% of blocks;
+* audit: what ``KVSAN_AUDIT_EVERY`` / the idle audit run: reading vLLM's real
+  ``BlockPool`` (``pool_view``) plus the checker's vectorised ``audit``;
+* per step: a step = one new request allocates ``k`` blocks and an older one
+  releases ``k`` (checker events, as the hooks send them), at each pool size.
+  The cost must follow ``k``, not the pool size.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+import tracemalloc
+
+from .common import table
+
+SIZES = (10_000, 100_000, 1_000_000)
+
+
+def _checker(n):
+    from kvsan.checks import AllocatorChecker
+
+    out = []
+    return AllocatorChecker(n, emit=out.append), out
+
+
+def memory(n: int) -> dict:
+    _checker(16)  # imports and one-time interning happen outside the trace
+    owners = [f"req-{i:08d}" for i in range(n // 16 + 2)]
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    ck, _ = _checker(n)
+    empty = tracemalloc.get_traced_memory()[0] - base
+    for r in range(n // 16):
+        lo = 1 + 16 * r
+        ck.on_allocate([(b, 1) for b in range(lo, min(lo + 16, n))], owners[r], "x.py:f:1")
+    owned = tracemalloc.get_traced_memory()[0] - base
+    ck.on_cached((b, keys[b]) for b in range(1, n))
+    extra = owners[-1]
+    for b in range(1, n, 10):
+        ck.on_share([(b, 2, False)], extra, "x.py:g:1")
+    full = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del ck
+    return {"empty": empty / n, "owned": owned / n, "cached_shared": full / n}
+
+
+def audit_time(n: int, repeat: int = 5) -> dict:
+    """Full audit of a pool of ``n`` real vLLM blocks, every block owned or
+    free, nothing wrong (the normal case)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    try:
+        from kvsan.hooks.vllm_allocator import pool_view
+    except ImportError:  # kvsan before the vectorised audit ("before" figures)
+        def pool_view(blocks):
+            return ([b.ref_cnt for b in blocks],
+                    [b.prev_free_block is not None for b in blocks])
+
+    pool = BlockPool(n, enable_caching=True, hash_block_size=16)
+    ck, out = _checker(n)
+    half = pool.get_new_blocks((n - 1) // 2)
+    for i in range(0, len(half), 16):
+        chunk = half[i:i + 16]
+        ck.on_allocate([(b.block_id, b.ref_cnt) for b in chunk], f"r{i}", "x.py:f:1")
+    live = {f"r{i}" for i in range(0, len(half), 16)}
+    view, check = [], []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        refs, linked = pool_view(pool.blocks)
+        t1 = time.perf_counter()
+        found = ck.audit(refs, linked, live)
+        t2 = time.perf_counter()
+        assert found == 0 and not out, [v.kind for v in out][:5]
+        view.append(t1 - t0)
+        check.append(t2 - t1)
+    total = [a + b for a, b in zip(view, check)]
+    return {"view_ms": min(view) * 1e3, "check_ms": min(check) * 1e3,
+            "total_ms": min(total) * 1e3, "total_median_ms": statistics.median(total) * 1e3}
+
+
+def per_step(n: int, k: int, steps: int = 40) -> float:
+    """µs per step for a step that allocates ``k`` blocks to a new request
+    and releases the ``k`` blocks of the oldest one."""
+    ck, out = _checker(n)
+    free = list(range(1, n))
+    held = []
+    clock = time.thread_time_ns
+    times = []
+    for s in range(steps + 8):
+        rid = f"s{s}"
+        blocks, free = free[:k], free[k:]
+        t0 = clock()
+        ck.on_allocate([(b, 1) for b in blocks], rid, "x.py:alloc:1")
+        if len(held) >= 4:
+            old_rid, old = held.pop(0)
+            ck.on_release([(b, 1, False, 0, True) for b in old], old_rid, "x.py:free:1")
+            ck.on_request_released(old_rid, "finished", "x.py:fin:1")
+            free.extend(old)
+        dt = clock() - t0
+        held.append((rid, blocks))
+        if s >= 8:
+            times.append(dt)
+    assert not out, [v.kind for v in out][:5]
+    return statistics.median(times) / 1e3
+
+
+def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
+    res = {"memory": {}, "audit": {}, "step": {}}
+    for n in sizes:
+        res["memory"][n] = memory(n)
+        res["audit"][n] = audit_time(n)
+        gc.collect()
+        for k in ks:
+            if 5 * k < n:
+                res["step"][(n, k)] = per_step(n, k)
+    return res
+
+
+def markdown(res: dict) -> str:
+    rows = []
+    for n, m in res["memory"].items():
+        a = res["audit"][n]
+        rows.append([f"{n:,}", f"{m['empty']:.1f}", f"{m['owned']:.1f}", f"{m['cached_shared']:.1f}",
+                     f"{a['view_ms']:.1f}", f"{a['check_ms']:.1f}",
+                     f"**{a['total_ms']:.1f}** (median {a['total_median_ms']:.1f})"])
+    out = table(["pool blocks", "shadow B/block: empty", "all owned", "all cached, 10% shared",
+                 "audit: read vLLM pool ms", "audit: check ms", "audit total ms"], rows)
+    ks = sorted({k for _, k in res["step"]})
+    rows = []
+    for n in res["memory"]:
+        cells = []
+        for k in ks:
+            v = res["step"].get((n, k))
+            cells.append(f"{v:.0f} ({v / (2 * k):.2f}/block)" if v is not None else "-")
+        rows.append([f"{n:,}"] + cells)
+    out += "\n\nPer-step cost in µs (µs per block changed), a step allocating k blocks " \
+           "and releasing k:\n\n"
+    out += table(["pool blocks"] + [f"k = {k}" for k in ks], rows)
+    return out
+
+
+if __name__ == "__main__":
+    print(markdown(bench()))

@@ -1,0 +1,256 @@
+"""Scheduler-only benchmark: vLLM's real ``Scheduler`` + ``KVCacheManager``
+driven step by step with synthetic model outputs (one sampled token per
+scheduled request whose prompt is done, as vLLM's own scheduler tests do).
+
+Workload (seeded, identical for every setting): ``n`` concurrent requests in
+groups that share a 2-4 block prefix, closed loop (a finished or cancelled
+request is replaced), ~20% cancelled mid-flight with
+``finish_requests(..., FINISHED_ABORTED)``, and a pool of about 3 blocks per
+request, so cached blocks are evicted and running requests are preempted.
+
+Side by side in lockstep: three schedulers (off, default, strict) with the
+same workload advance one step each in turn, in rotating order, and kvsan's
+patches and runtime are switched between them (untimed).  A shared 2-core
+machine drifts by tens of percent over seconds; step-level interleaving puts
+every setting under the same drift.  Measured: the thread CPU time of
+``finish_requests`` (cancellations) + ``schedule()`` + ``update_from_output()``;
+the synthetic driver is not timed.  The runs must schedule identically
+(checked) and report no violation (checked).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+
+from .common import SETTINGS, config_for, median, ratio_cell, table
+
+BLOCK = 16
+_MODEL = None
+
+
+def _model_config():
+    from kvsan.tinymodel import ensure_tiny_model
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=ensure_tiny_model(), skip_tokenizer_init=True,
+                       dtype="float32", seed=0, max_model_len=2048)
+
+
+def make_scheduler(n: int, num_blocks: int):
+    import torch
+    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    global _MODEL
+    if _MODEL is None:
+        _MODEL = _model_config()
+    sched_cfg = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, 8 * n),
+                                max_model_len=2048, is_encoder_decoder=False,
+                                enable_chunked_prefill=True)
+    cache_cfg = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    vcfg = VllmConfig(scheduler_config=sched_cfg, model_config=_MODEL, cache_config=cache_cfg)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    cache_cfg.num_gpu_blocks = num_blocks
+    return Scheduler(vllm_config=vcfg, kv_cache_config=kv_cfg,
+                     structured_output_manager=StructuredOutputManager(vcfg),
+                     block_size=BLOCK, log_stats=False)
+
+
+_HASHER = None
+
+
+def _hasher():
+    global _HASHER
+    if _HASHER is None:
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        h = get_hash_fn_by_name("sha256")
+        init_none_hash(h)
+        _HASHER = get_request_block_hasher(BLOCK, h)
+    return _HASHER
+
+
+# ------------------------------------------------------------ kvsan switch
+def _activate(lane) -> None:
+    """Make ``lane``'s setting the live one: patches and runtime."""
+    from kvsan import hooks
+    from kvsan import runtime as _rt
+    from kvsan.hooks import vllm_allocator
+
+    hooks.uninstrument()
+    _rt.set_runtime(None)
+    if lane.rt is not None:
+        hooks.instrument(vllm_allocator.targets())
+        _rt.set_runtime(lane.rt)
+
+
+def _runtime_for(setting: str):
+    """A kvsan runtime as the plugin builds it, with its own metrics registry
+    (every setting pays for metrics, as in production)."""
+    cfg = config_for(setting)
+    if cfg is None:
+        return None
+    from prometheus_client import CollectorRegistry
+
+    from kvsan.metrics import Metrics
+    from kvsan.runtime import Runtime
+
+    rt = Runtime(cfg, role="engine", metrics=False)
+    rt.metrics = Metrics("engine", registry=CollectorRegistry())
+    rt.reporter.metrics = rt.metrics
+    return rt
+
+
+class Lane:
+    """One scheduler under one kvsan setting, with its own seeded workload."""
+
+    def __init__(self, setting: str, n: int, seed: int, num_blocks: int):
+        self.setting = setting
+        self.rt = _runtime_for(setting)
+        _activate(self)
+        self.rng = random.Random(seed)
+        self.sched = make_scheduler(n, num_blocks)
+        rng = self.rng
+        self.groups = [[rng.randrange(1, 500) for _ in range(BLOCK * rng.choice((2, 3, 4)))]
+                       for _ in range(max(4, n // 8))]
+        self.cancel_at: dict[str, int] = {}
+        self.counter = 0
+        self.step_no = 0
+        self.times: list[int] = []
+        self.finished = self.aborted = self.preempted = self.tokens = 0
+        for _ in range(n + n // 4):
+            self.sched.add_request(self._new_request())
+
+    def _new_request(self):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        rng = self.rng
+        rid = f"r{self.counter}"
+        self.counter += 1
+        prompt = rng.choice(self.groups) + [rng.randrange(1, 500)
+                                            for _ in range(rng.randrange(1, 40))]
+        params = SamplingParams(max_tokens=rng.choice((8, 16, 32, 64)), ignore_eos=True)
+        if rng.random() < 0.2:
+            self.cancel_at[rid] = self.step_no + rng.randrange(0, 20)
+        return Request(request_id=rid, prompt_token_ids=prompt, sampling_params=params,
+                       pooling_params=None, block_hasher=_hasher())
+
+    def step(self) -> None:
+        from vllm.v1.outputs import ModelRunnerOutput
+        from vllm.v1.request import RequestStatus
+
+        sched, clock, now = self.sched, time.thread_time_ns, self.step_no
+        due = [r for r, at in self.cancel_at.items() if at <= now]
+        t0 = clock()
+        if due:
+            self.aborted += len(sched.finish_requests(due, RequestStatus.FINISHED_ABORTED))
+        out = sched.schedule()
+        t1 = clock()
+        for r in due:
+            del self.cancel_at[r]
+        reqs = sched.requests
+        ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = reqs[rid]
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([(len(rid) * 31 + req.num_tokens) % 500 + 1] if done else [])
+        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                sampled_token_ids=sampled)
+        self.preempted += len(out.preempted_req_ids or ())
+        self.tokens += out.total_num_scheduled_tokens
+        before = len(reqs)
+        t2 = clock()
+        sched.update_from_output(out, mro)
+        t3 = clock()
+        gone = before - len(sched.requests)
+        self.finished += gone
+        self.times.append((t1 - t0) + (t3 - t2))
+        self.step_no += 1
+        for _ in range(gone):
+            sched.add_request(self._new_request())
+
+    @property
+    def fingerprint(self):
+        return (self.finished, self.aborted, self.preempted, self.tokens)
+
+
+def run_lockstep(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
+                 settings=SETTINGS) -> dict[str, Lane]:
+    num_blocks = num_blocks or 3 * n + 16
+    lanes = {s: Lane(s, n, seed, num_blocks) for s in settings}
+    order = list(lanes.values())
+    # as vLLM's EngineCore does after start-up (vllm/utils/gc_utils.py)
+    gc.collect()
+    gc.freeze()
+    try:
+        for i in range(steps):
+            k = i % len(order)
+            for lane in order[k:] + order[:k]:
+                _activate(lane)
+                lane.step()
+    finally:
+        gc.unfreeze()
+        from kvsan import hooks
+        from kvsan import runtime as _rt
+
+        hooks.uninstrument()
+        _rt.set_runtime(None)
+    prints = {s: lane.fingerprint for s, lane in lanes.items()}
+    if len(set(prints.values())) != 1:
+        raise AssertionError(f"kvsan changed the schedule: {prints}")
+    for s, lane in lanes.items():
+        if lane.rt is not None and lane.rt.violations():
+            raise AssertionError(f"{s}: violations on clean traffic: "
+                                 f"{[v.kind for v in lane.rt.violations()]}")
+    return lanes
+
+
+def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0) -> dict:
+    """Ratios per chunk of consecutive steps (the spread), and over all steps."""
+    results = {}
+    for n in sizes:
+        lanes = run_lockstep(n, steps, seed)
+        off = lanes["off"].times
+        size = max(1, steps // chunks)
+        res = {"steps": steps, "num_blocks": 3 * n + 16,
+               "finished": lanes["off"].finished, "aborted": lanes["off"].aborted,
+               "preempted": lanes["off"].preempted}
+        ck = next(iter(lanes["default"].rt.checkers.values()))
+        res["evicted"] = ck.counters["evicted"]
+        for s, lane in lanes.items():
+            res[f"{s}_us"] = sum(lane.times) / len(lane.times) / 1e3
+            if s != "off":
+                res[s] = [sum(lane.times[i:i + size]) / sum(off[i:i + size])
+                          for i in range(0, steps - size + 1, size)]
+                res[f"{s}_all"] = sum(lane.times) / sum(off)
+        results[n] = res
+    return results
+
+
+def markdown(res: dict) -> str:
+    rows = []
+    for n, r in res.items():
+        rows.append([n, r["num_blocks"], f"{r['finished']}/{r['aborted']}/{r['preempted']}/"
+                     f"{r['evicted']}", f"{r['off_us']:.0f}", f"{r['default_us']:.0f}",
+                     f"{r['strict_us']:.0f}",
+                     f"**{r['default_all']:.3f}x** ({ratio_cell(r['default'])})",
+                     f"**{r['strict_all']:.3f}x** ({ratio_cell(r['strict'])})"])
+    return table(["requests", "pool blocks", "finished/aborted/preempted/evicted",
+                  "off µs/step", "default µs/step", "strict µs/step",
+                  "default / off (median per chunk, min-max)", "strict / off"], rows)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sizes = tuple(int(a) for a in sys.argv[1:]) or (16, 64, 256)
+    print(markdown(bench(sizes)))

@@ -1,0 +1,58 @@
+"""Smoke test: every benchmark script runs at a tiny size and produces its
+table.  No timing asserts (figures come from ``python -m benchmarks``)."""
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+pytestmark = pytest.mark.engine
+
+
+def test_sched_lockstep_tiny():
+    from benchmarks import sched
+
+    res = sched.bench(sizes=(8,), steps=4, chunks=2)
+    r = res[8]
+    assert r["off_us"] > 0 and len(r["default"]) == 2 and len(r["strict"]) == 2
+    assert "| 8 |" in sched.markdown(res)
+    # the switch leaves nothing installed behind
+    from kvsan import current_runtime
+
+    assert current_runtime() is None
+
+
+def test_events_tiny():
+    from benchmarks import events
+
+    res = events.bench(num_blocks=128, k=2, batch=4, batches=4)
+    assert set(events.EVENTS) <= set(res)
+    assert "allocate" in events.markdown(res)
+
+
+def test_scale_tiny():
+    from benchmarks import scale
+
+    res = scale.bench(sizes=(1_000,), ks=(8,))
+    assert res["memory"][1_000]["empty"] > 0
+    assert res["audit"][1_000]["total_ms"] >= 0
+    assert "1,000" in scale.markdown(res)
+
+
+def test_e2e_aggregation(monkeypatch):
+    """The engine boots take minutes on 2 cores: the subprocess runner is
+    stubbed here (``python -m benchmarks --quick --only e2e`` runs it)."""
+    from benchmarks import e2e
+
+    def fake(setting, model, groups, per_group, seed):
+        slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}[setting]
+        return {"wall_s": slow, "tokens": 10, "steps": 5, "step_ms": slow, "violations": 0,
+                "kvsan": setting in ("default", "strict")}
+
+    monkeypatch.setattr(e2e, "_spawn", fake)
+    res = e2e.bench(models={"m": "unused"}, rounds=2)
+    assert res["m"]["default"]["throughput"] == [1 / 1.02, 1 / 1.02]
+    assert "not loaded" in e2e.markdown(res)
