@@ -1,5 +1,5 @@
 # The two commands of the README.  Both do all set-up on a fresh machine.
-.PHONY: demo test setup
+.PHONY: demo test setup bench
 
 setup:
 	./scripts/setup.sh
@@ -15,3 +15,8 @@ demo: setup
 
 test: setup
 	.venv/bin/python -m pytest -q
+
+# kvsan's overhead, side by side (off / default / strict); about 25 minutes on
+# 2 cores; writes benchmarks/results.md (see README, Performance)
+bench: setup
+	.venv/bin/python -m benchmarks
