@@ -115,6 +115,42 @@ def test_clean_traffic_strictest_settings(eng, rt):
     dc = device()
     assert dc.counters["sealed"] > 0 and dc.counters["verified"] > 0
     assert dc.counters["guarded_tokens"] > 0
+    from kvsan.hooks import vllm_identity
+
+    # the identity audit compared every prefix hit and found the keys right
+    assert next(iter(vllm_identity._audits.values())).checked > 0
+
+
+def test_identity_audit_on_the_real_engine(eng, rt, monkeypatch):
+    """cache_salt left out of vLLM's block hash, on the live engine: tenant B
+    is served tenant A's prefix, and kvsan names the field."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    import vllm.v1.core.kv_cache_utils as kcu
+
+    from kvsan.hooks import vllm_identity
+
+    original = kcu.generate_block_hash_extra_keys
+
+    def no_salt(request, start, end, mm_idx):
+        keys, nxt = original(request, start, end, mm_idx)
+        return tuple(k for k in keys or () if k[0] != "cache_salt") or None, nxt
+
+    monkeypatch.setattr(kcu, "generate_block_hash_extra_keys", no_salt)
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    eng.llm_engine.add_request("A", TokensPrompt(prompt_token_ids=PREFIX + [5],
+                                                 cache_salt="tenant-a"), p)
+    step(eng, 3)
+    eng.llm_engine.add_request("B", TokensPrompt(prompt_token_ids=PREFIX + [6],
+                                                 cache_salt="tenant-b"), p)
+    drain(eng)
+    bad = of(rt, "cache_key_mismatch")
+    assert len(bad) == PREFIX_BLOCKS
+    assert all(v.details[0]["fields"] == ["cache_salt"] for v in bad)
+    assert bad[0].actor.startswith("B") and any(o.startswith("A") for o in bad[0].owners)
+    assert bad[0].to_record()["class"] == "bad_cache_key"
+    audit = next(iter(vllm_identity._audits.values()))
+    assert audit.checked >= PREFIX_BLOCKS
 
 
 def test_scribble_into_sealed_block_is_checksum_mismatch(eng, rt):
