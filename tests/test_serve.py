@@ -217,13 +217,23 @@ def server(tmp_path_factory):
         wait_until(up, 600, "vllm serve to come up", every=1.0)
         yield srv
     finally:
+        # the way an operator stops it: SIGTERM to the API server, which
+        # shuts down (and force-kills) its EngineCore and workers
+        clean = True
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(60)
+                proc.wait(90)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(30)
+                clean = False
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything left in its session
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+    # livesum gauges of processes that are gone must not keep counting
+    left = sorted(p.name for p in pmdir.glob("gauge_live*"))
+    assert not clean or not left, f"live-gauge files left after shutdown: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,40 @@ def multiproc_dir() -> str | None:
     )
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            # "pid (comm) S ...": a zombie has exited already
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except FileNotFoundError:
+        return False
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            return True
+        return True
+
+
+def sweep_dead(d: str) -> list[int]:
+    """Remove the live-gauge files of processes that are gone.  vLLM
+    SIGKILLs its EngineCore and workers at shutdown, so they cannot clean up
+    after themselves; the API server, which exits last, does it for them."""
+    import glob
+
+    from prometheus_client import multiprocess
+
+    gone = []
+    for path in glob.glob(os.path.join(d, "gauge_live*_*.db")):
+        tail = path.rsplit("_", 1)[-1][:-3]
+        if tail.isdigit() and int(tail) not in gone and not _alive(int(tail)):
+            gone.append(int(tail))
+            multiprocess.mark_process_dead(int(tail), d)
+    return gone
+
+
 def _mark_dead(pid: int) -> None:
     if pid in _dead_marked or pid != os.getpid():
         return
@@ -82,6 +116,7 @@ def _mark_dead(pid: int) -> None:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid, d)
+        sweep_dead(d)
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
 
