@@ -50,10 +50,10 @@ def close(llm):
 
 
 def test_clean_soak_is_clean_and_matches_the_reference(model, audit_every_step):
-    reqs, toks = stress.make_trace(1, 28, ed.vocab_size(model), 0.3)
+    reqs, toks = stress.make_trace(1, 20, ed.vocab_size(model), 0.3)
     # --seed reproduces a run: the same seed gives the same trace
-    assert (reqs, toks) == stress.make_trace(1, 28, ed.vocab_size(model), 0.3)
-    assert reqs != stress.make_trace(2, 28, ed.vocab_size(model), 0.3)[0]
+    assert (reqs, toks) == stress.make_trace(1, 20, ed.vocab_size(model), 0.3)
+    assert reqs != stress.make_trace(2, 20, ed.vocab_size(model), 0.3)[0]
     sampled = [r for r in reqs if r.sampled]
     assert sampled and any(r.in_flight for r in reqs) and any(r.timeout >= 0 for r in reqs)
     ref = ed.reference_outputs(model, {r.rid: toks[r.rid] for r in sampled},
@@ -78,7 +78,7 @@ def test_clean_soak_is_clean_and_matches_the_reference(model, audit_every_step):
 def test_fault_soak_is_found_and_shrunk(model, rt, tmp_path):
     from kvsan import faults
 
-    reqs, toks = stress.make_trace(1, 28, ed.vocab_size(model), 0.3)
+    reqs, toks = stress.make_trace(1, 20, ed.vocab_size(model), 0.3)
     faults.inject("double_unref_on_abort")
     try:
         llm = engine(model)
@@ -104,7 +104,7 @@ def test_fault_soak_is_found_and_shrunk(model, rt, tmp_path):
             finally:
                 close(llm)
 
-        small = stress.shrink(reqs, replay, lambda: 3 - len(runs),
+        small = stress.shrink(reqs, replay, lambda: 2 - len(runs),
                               cut=res["first_violation_step"])
     finally:
         faults.clear()
