@@ -296,8 +296,9 @@ def print_moment(res: dict, parity: ed.Parity, out=sys.stdout) -> None:
     if res.get("b_preempted_at"):
         p(f"   B preempted at step(s) {res['b_preempted_at']}")
     mv = res.get("movements", {})
-    p("   movements: " + ", ".join(f"{k} {v}" for k, v in mv.items())
-      + f"  (evictions: {mv.get('evicted', 0)})")
+    p(f"   pool movements (kvsan): allocated {mv.get('allocated', 0)}, shared by prefix hits "
+      f"{mv.get('shared', 0)}, released {mv.get('released', 0)}, evicted (cached blocks "
+      f"reused) {mv.get('evicted', 0)}, preempted {mv.get('preempted', 0)}")
     viol = res.get("violations", [])
     if viol:
         kinds: dict[str, int] = {}
