@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from itertools import repeat
-from operator import attrgetter, is_not
+from array import array
 from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
@@ -403,20 +402,16 @@ def _scheduler_checker(rt, sched):
         return None
 
 
-_REF_CNT = attrgetter("ref_cnt")
-_PREV_FREE = attrgetter("prev_free_block")
-
-
 def pool_view(blocks):
     """The engine's per-block view as numpy arrays: reference counts, and
-    free-queue membership (``prev_free_block`` set).  C-level iteration:
-    about 40 ms for 1M blocks."""
+    free-queue membership (``prev_free_block`` set).  Two list
+    comprehensions over vLLM's block objects (the floor: every block is a
+    Python object), packed into C arrays without a per-element numpy
+    conversion (measured faster than ``np.fromiter``/``np.array``)."""
     import numpy as np
 
-    n = len(blocks)
-    refs = np.fromiter(map(_REF_CNT, blocks), dtype=np.int64, count=n)
-    linked = np.fromiter(map(is_not, map(_PREV_FREE, blocks), repeat(None)),
-                         dtype=bool, count=n)
+    refs = np.frombuffer(array("q", [b.ref_cnt for b in blocks]), dtype=np.int64)
+    linked = np.frombuffer(bytes([b.prev_free_block is not None for b in blocks]), dtype=bool)
     return refs, linked
 
 
