@@ -122,6 +122,8 @@ def bench(models=None, rounds: int = 3, groups: int = 6, per_group: int = 5, see
             order = settings[r % len(settings):] + settings[:r % len(settings)]
             for s in order:
                 runs[s].append(_spawn(s, path, groups, per_group, seed))
+                print(f"[e2e] {name} round {r} {s}: {json.dumps(runs[s][-1])}",
+                      file=sys.stderr, flush=True)
         toks = {run["tokens"] for s in settings for run in runs[s]}
         if len(toks) != 1:
             raise AssertionError(f"kvsan changed the output: tokens {toks}")

@@ -94,21 +94,21 @@ def per_step(n: int, k: int, steps: int = 40) -> float:
     """µs per step for a step that allocates ``k`` blocks to a new request
     and releases the ``k`` blocks of the oldest one."""
     ck, out = _checker(n)
-    free = list(range(1, n))
+    span = n - 1 - k
     held = []
     clock = time.thread_time_ns
     times = []
     _freeze()
     for s in range(steps + 8):
         rid = f"s{s}"
-        blocks, free = free[:k], free[k:]
+        lo = 1 + (s * k) % span  # no per-step copy of a pool-sized list
+        blocks = list(range(lo, lo + k))
         t0 = clock()
         ck.on_allocate([(b, 1) for b in blocks], rid, "x.py:alloc:1")
         if len(held) >= 4:
             old_rid, old = held.pop(0)
             ck.on_release([(b, 1, False, 0, True) for b in old], old_rid, "x.py:free:1")
             ck.on_request_released(old_rid, "finished", "x.py:fin:1")
-            free.extend(old)
         dt = clock() - t0
         held.append((rid, blocks))
         if s >= 8:
@@ -133,7 +133,7 @@ def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
         res["audit"][n] = audit_time(n)
         gc.collect()
         for k in ks:
-            if 5 * k < n:
+            if 6 * k < n:
                 res["step"][(n, k)] = per_step(n, k)
     return res
 
