@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MARK = "KVSAN_RESULT "
 
@@ -268,7 +268,6 @@ class Parity:
     max_drift: float = 0.0
     first_divergence: int | None = None
     detail: str = ""
-    extra: dict = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:

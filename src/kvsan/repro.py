@@ -200,7 +200,6 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
                 add_c()
             elif race and not c_added and b_req.num_output_tokens >= 2:
                 add_c()  # C's pressure preempts B; the hook cancels A in that step
-            # watch the shared blocks while B is alive: handed to someone else?
         res["error"] = None
     except Exception as e:  # noqa: BLE001 - a faulty engine may die; report why
         res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
@@ -357,8 +356,9 @@ def main(args) -> int:
     print(f"kvsan repro: model {model}, seed {args.seed}, pool {geo.num_blocks} blocks of "
           f"{geo.block} tokens, prefix {geo.prefix_blocks} blocks"
           + (f", injected fault {args.inject!r}" if args.inject else ""))
-    print(f"   comparison: {'batch-invariant mode (VLLM_BATCH_INVARIANT=1)' if bi else 'no batch-invariant mode on this platform'}"
-          f", logprob tolerance {tol:g}")
+    mode = ("batch-invariant mode (VLLM_BATCH_INVARIANT=1)" if bi
+            else "no batch-invariant mode on this platform")
+    print(f"   comparison: {mode}, logprob tolerance {tol:g}", flush=True)
     t0 = time.time()
     # the reference engine and the kvsan'd engines run side by side
     box: dict = {}
