@@ -85,6 +85,11 @@ def test_clean_moment(rt, case, moment):
     # A and B point at the same prefix blocks and hashes (B's prefix hit)
     assert res["same_blocks"] and res["same_hashes"], (res["a_blocks"], res["b_shared"])
     assert res["b_cached_tokens"] >= NPRE * GEO.block
+    # kvsan's own table agrees: B owns the prefix blocks under the same keys
+    kv = res["kvsan_view"]
+    assert kv["hashes"] == res["b_hashes"] and all("B" in o for o in kv["owners"]), kv
+    if moment != "before_b_first_step":
+        assert kv["owners"] == [["A", "B"]] * NPRE
     assert parity.verdict == "match" and parity.compared == GEO.b_max, parity.to_dict()
     ev = cancel_event(res)
     if moment == "before_b_first_step":

@@ -183,6 +183,15 @@ class EngineView:
         raw = bytes(h) if isinstance(h, (bytes, bytearray)) else repr(h).encode()
         return raw.hex()[:16]
 
+    def kvsan_digest(self, b: int) -> str | None:
+        """The hash digest kvsan's own table holds for block ``b``."""
+        if self.ck is None:
+            return None
+        try:
+            return self.ck.shadow.describe(b)["hash"]
+        except Exception:  # noqa: BLE001 - diagnostics only
+            return None
+
     def name(self, owner: str) -> str:
         """Internal request id -> the external name (token-free)."""
         for ext, iid in self.internal.items():

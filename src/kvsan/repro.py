@@ -121,6 +121,9 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
             b_shared = v.block_ids("B")[:npre]
             res["b_blocks_first"] = v.block_ids("B")
             res["b_hashes"] = [v.digest(b) for b in b_shared]
+            # kvsan's table: both requests own the blocks, under the same keys
+            res["kvsan_view"] = {"owners": [v.owners(b) for b in b_shared],
+                                 "hashes": [v.kvsan_digest(b) for b in b_shared]}
 
     def add_c():
         nonlocal c_added
@@ -283,6 +286,11 @@ def print_moment(res: dict, parity: ed.Parity, out=sys.stdout) -> None:
       f"same blocks: {'yes' if res.get('same_blocks') else 'NO'}, same hashes: "
       f"{'yes' if res.get('same_hashes') else 'NO'} (B's prefix hit: "
       f"{res.get('b_cached_tokens', 0)} tokens)")
+    kv = res.get("kvsan_view")
+    if kv:
+        agree = kv["hashes"] == res.get("b_hashes")
+        p(f"   kvsan's table at B's first step: owners {kv['owners']}, hashes "
+          f"{'agree with the engine' if agree else 'DIFFER: ' + str(kv['hashes'])}")
     for e in res.get("events", []):
         extra = ""
         if "b_status" in e:
