@@ -49,8 +49,8 @@ def test_e2e_aggregation(monkeypatch):
 
     def fake(setting, model, groups, per_group, seed):
         slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}[setting]
-        return {"wall_s": slow, "tokens": 10, "steps": 5, "step_ms": slow, "violations": 0,
-                "kvsan": setting in ("default", "strict")}
+        return {"wall_s": slow, "tokens": 10, "steps": 5, "step_ms": slow, "cpu_s": slow,
+                "cpu_step_ms": slow, "violations": 0, "kvsan": setting in ("default", "strict")}
 
     monkeypatch.setattr(e2e, "_spawn", fake)
     res = e2e.bench(models={"m": "unused"}, rounds=2)
