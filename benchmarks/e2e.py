@@ -96,6 +96,10 @@ def one_run(model: str, groups: int, per_group: int, seed: int) -> dict:
 def _spawn(setting: str, model: str, groups: int, per_group: int, seed: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # one compute thread: spinning OpenMP workers on a contended machine
+    # inflate CPU time by several times, at random
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     if setting == "absent":
         env["VLLM_PLUGINS"] = "none"
     else:
