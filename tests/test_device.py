@@ -121,6 +121,22 @@ def test_clean_traffic_strictest_settings(eng, rt):
     assert next(iter(vllm_identity._audits.values())).checked > 0
 
 
+def test_same_step_hit_on_a_block_being_written_is_legal(eng, rt):
+    """B is served A's prefix block in the very step A's next prefill chunk
+    writes it: vLLM writes a layer's KV for the whole batch before attention
+    reads it, so this is legal and must not be flagged."""
+    prefix = [(13 * i) % 490 + 1 for i in range(3 * BS)]
+    add(eng, "A", prefix + [3], max_tokens=4)
+    step(eng)  # chunk 1: tokens 0-47
+    add(eng, "B", prefix + [4], max_tokens=4)
+    out = drain(eng)
+    assert len(out) == 2
+    b = next(o for r, o in out.items() if r.startswith("B"))
+    assert b.num_cached_tokens >= BS  # B really was served A's prefix
+    assert rt.violations() == []
+    assert device().counters["sealed"] > 0
+
+
 def test_identity_audit_on_the_real_engine(eng, rt, monkeypatch):
     """cache_salt left out of vLLM's block hash, on the live engine: tenant B
     is served tenant A's prefix, and kvsan names the field."""
