@@ -119,3 +119,11 @@ def uninstrument() -> None:
     while _patched:
         owner, attr, original = _patched.pop()
         setattr(owner, attr, original)
+
+
+def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
+    """The leading parameters of a hooked call by name, whether vLLM passed
+    them positionally or as keywords."""
+    vals = dict(zip(names, args))
+    vals.update({k: kwargs[k] for k in names if k in kwargs})
+    return vals

@@ -21,13 +21,14 @@ from time import perf_counter as _perf_counter
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
 from ..report import KVSanViolation
-from . import TRAMPOLINE_CODE, Target
+from . import TRAMPOLINE_CODE, Target, bind_args
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
 _SCHED = "vllm.v1.core.sched.scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager"
+CACHE_FULL_BLOCKS_ARGS = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
 
 
 _SITES: dict = {}
@@ -196,9 +197,7 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
     rt, ck = _checker(instance)
     if ck is not None:
         def note():
-            names = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
-            vals = dict(zip(names, args))
-            vals.update({k: kwargs[k] for k in names if k in kwargs})
+            vals = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
             blocks = vals["blocks"][vals["num_cached_blocks"]:vals["num_full_blocks"]]
             items = [(b.block_id, b.block_hash) for b in blocks
                      if b.block_hash is not None and not b.is_null]
@@ -379,9 +378,7 @@ def _apply_cow(wrapped, instance, args, kwargs):
     rt = _rt.get()
     ck = rt.checkers.get(instance.block_pool) if rt is not None else None
     if ck is not None:
-        names = ("request_id", "block_idx", "source_block", "cow_block")
-        vals = dict(zip(names, args))
-        vals.update({k: kwargs[k] for k in names if k in kwargs})
+        vals = bind_args(args, kwargs, ("request_id", "block_idx", "source_block", "cow_block"))
         rid, src, cow = vals["request_id"], vals["source_block"], vals["cow_block"]
         site = _site()
 

@@ -16,7 +16,8 @@ import wrapt
 
 from .. import runtime as _rt
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
-from .vllm_allocator import _guard
+from . import bind_args
+from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS, _guard
 
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
 _lora_epochs: dict[str, int] = {}
@@ -95,9 +96,7 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
     audit = _audit(rt, instance)
     if audit is not None:
         def note():
-            names = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
-            v = dict(zip(names, args))
-            v.update({k: kwargs[k] for k in names if k in kwargs})
+            v = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
             request, blocks = v["request"], v["blocks"]
             lo, hi = v["num_cached_blocks"], v["num_full_blocks"]
             ident = _chain(request, instance.hash_block_size, hi)
