@@ -113,13 +113,19 @@ def test_double_release_by_request(rt):
     assert all(v.owners == ["B"] for v in fwl)
 
 
-def test_refcount_underflow(rt):
-    m = make_manager(12)
+def freed_block(m, rt):
+    """A block A owned and released cleanly; the recorded history cleared."""
     a = make_request(list(range(40)), "A")
     schedule(m, a)
     blk = m.get_blocks("A").blocks[0][0]
     finish(m, a)
     rt.clear()
+    return blk
+
+
+def test_refcount_underflow(rt):
+    m = make_manager(12)
+    blk = freed_block(m, rt)
     m.block_pool.free_blocks(iter([blk]))  # one-shot iterator, as vLLM passes
     v = only(rt, "refcount_underflow")[0]
     assert v.blocks == [blk.block_id] and blk.ref_cnt == -1
@@ -152,11 +158,7 @@ def test_refcount_mismatch(rt):
 
 def test_free_queue_corruption_insert_twice(rt):
     m = make_manager(12)
-    a = make_request(list(range(40)), "A")
-    schedule(m, a)
-    blk = m.get_blocks("A").blocks[0][0]
-    finish(m, a)
-    rt.clear()
+    blk = freed_block(m, rt)
     blk.ref_cnt = 1  # corrupt: a free block that claims a reference
     m.block_pool.free_blocks([blk])
     assert "free_queue_corruption" in kinds_of(rt)
