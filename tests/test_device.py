@@ -306,3 +306,32 @@ def test_quarantine_keeps_a_premature_free_out_of_reuse():
     fwl = [v for v in r["violations"] if v["kind"] == "free_with_live_owners"]
     assert fwl and fwl[0]["blocks"] == [r["victim"]] and fwl[0]["owners"] == [r["b"]]
     assert not [v for v in r["violations"] if v["kind"] == "reuse_with_live_owners"]
+
+
+def test_v2_prepare_attn_guard_adapter(kvsan_rt):
+    """No GPU here: the V2 runner cannot run on CPU.  This drives kvsan's V2
+    adapter with prepare_attn's documented output ([groups, tokens] slot
+    mappings) and V2's InputBatch fields, against a real DeviceChecker, so a
+    bad slot is caught the same way as on V1."""
+    import types
+
+    import torch
+
+    from kvsan.checks.device import DeviceChecker
+    from kvsan.hooks import vllm_worker
+
+    kvsan_rt.clear()
+    dc = DeviceChecker(8, BS, emit=kvsan_rt.reporter.emit)
+    dc.add_step([("P", [1, 2], 0), ("Q", [3], 0)])
+    class Runner:  # stands for V2's GPUModelRunner (weak-referenced key)
+        pass
+
+    runner = Runner()
+    vllm_worker._checkers[runner] = dc
+    batch = types.SimpleNamespace(req_ids=["P", "Q"], num_reqs=2, num_tokens=3,
+                                  num_scheduled_tokens=__import__("numpy").array([2, 1]))
+    slots = torch.tensor([[1 * BS + 5, 2 * BS + 0, 1 * BS + 6, -1]])  # Q writes P's block 1
+    vllm_worker._prepare_attn_v2(lambda b: (None, slots), runner, (batch,), {})
+    bad = [v for v in kvsan_rt.violations() if v.kind == "overwrite_shared_block"]
+    assert [(v.blocks, v.actor) for v in bad] == [([1], "Q")]
+    del vllm_worker._checkers[runner]

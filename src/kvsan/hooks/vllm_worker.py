@@ -9,8 +9,9 @@ block tables and cache tensors are all visible around ``execute_model``.
   verification, poison, then sealing after the step) and ``_prepare_inputs``
   (the write guard on the slot mapping the forward will use).
 * V2 runner (CUDA default): ``execute_model`` (step context, checksums,
-  poison, sealing).  Its slot mappings are built on device by a Triton
-  kernel; the write guard there is not wired yet.
+  poison, sealing) and ``prepare_attn`` (the write guard on the slot
+  mappings its Triton kernel built).  Written from the source; not yet run
+  on a GPU.
 """
 
 from __future__ import annotations
@@ -146,6 +147,24 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
     return ret
 
 
+def _prepare_attn_v2(wrapped, instance, args, kwargs):
+    """V2: the slot mappings ([groups, tokens], built on device by a Triton
+    kernel) come back from ``prepare_attn``, outside any CUDA graph."""
+    ret = wrapped(*args, **kwargs)
+    rt = _rt.get()
+    dc = _checkers.get(instance) if rt is not None else None
+    if dc is not None:
+        def check():
+            batch = args[0] if args else kwargs["input_batch"]
+            n = batch.num_reqs
+            counts = [int(x) for x in batch.num_scheduled_tokens[:n]]
+            if sum(counts) != batch.num_tokens:
+                return  # adaptive speculative verification: no per-token owner map
+            dc.guard(ret[1][0], batch.req_ids[:n], counts)
+        _guard(rt, "prepare_attn.guard", check)
+    return ret
+
+
 def targets() -> list[Target]:
     return [
         Target(_V1, "GPUModelRunner.execute_model", _execute_model, True),
@@ -154,4 +173,5 @@ def targets() -> list[Target]:
 
 
 def targets_v2() -> list[Target]:
-    return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True)]
+    return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True),
+            Target(_V2, "GPUModelRunner.prepare_attn", _prepare_attn_v2, True)]
