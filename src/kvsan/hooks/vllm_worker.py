@@ -29,14 +29,24 @@ _V2 = "vllm.v1.worker.gpu.model_runner"
 _checkers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
+_layer_views: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # runner -> (src, views)
+
+
 def _layers(runner) -> list:
+    """Block-major views of the runner's cache tensors, built once per cache
+    allocation rather than twice per step; rebuilt when the tensors change."""
+    caches = runner.kv_caches
+    tensors = list(caches.values()) if isinstance(caches, dict) else caches
+    key = tuple(t.data_ptr() for t in tensors)
+    cached = _layer_views.get(runner)
+    if cached is not None and cached[0] == key:
+        return cached[1]
     from vllm.v1.kv_cache_interface import group_kernel_blocks
 
     nb = runner.kv_cache_config.num_blocks
-    caches = runner.kv_caches
-    if isinstance(caches, dict):
-        caches = list(caches.values())
-    return [group_kernel_blocks(t, nb) for t in caches]
+    views = [group_kernel_blocks(t, nb) for t in tensors]
+    _layer_views[runner] = (key, views)
+    return views
 
 
 def _device_checker(rt, runner) -> DeviceChecker | None:
