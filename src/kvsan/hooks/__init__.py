@@ -32,17 +32,23 @@ class Target:
     wrapper: Callable
     #: also patch subclasses that override the method (engine managers do)
     subclasses: bool = False
-    #: optional ``original -> patched function`` for the hottest hooks: the
-    #: patched function calls the original itself, with no generic wrapper
-    #: call in between (``wrapper`` stays the fallback for other descriptors)
-    direct: Callable | None = None
+    #: ``(local name, attribute or None)``: instead of wrapping, register the
+    #: method's code as an *owner frame*: an allocator call made below it is
+    #: attributed to the request read from that local of its frame
+    #: (``request_id``, or ``request`` and its ``request_id``).  Costs nothing
+    #: on the engine's hot path: the stack is read only when an allocator
+    #: event happens, not on every call of the method.
+    owner: tuple[str, str | None] | None = None
 
     @property
     def name(self) -> str:
         return f"{self.module}.{self.qualname}"
 
 
-_patched: list[tuple[object, str, object]] = []
+#: (class, attribute, original, wrapper), in patching order
+_patched: list[tuple[object, str, object, object]] = []
+#: code object of an owner-scoped engine method -> (local name, attribute)
+OWNER_FRAMES: dict = {}
 
 
 def _all_subclasses(cls):
@@ -74,22 +80,31 @@ def _trampoline(original, wrapper):
 
 #: the code object every trampoline runs (call-site lookups skip its frame)
 TRAMPOLINE_CODE = _trampoline(lambda self: None, None).__code__
+#: hook frames live in this directory (call-site lookups skip them too)
+HOOKS_DIR = __file__.rsplit("/", 1)[0] + "/"
 
 
-def _wrap(owner, attr: str, wrapper, direct=None) -> None:
+def engine_frame(frame):
+    """The innermost frame at or above ``frame`` that is not kvsan's patching
+    (trampolines and hook functions, possibly several hooks on one method)."""
+    while frame is not None and (frame.f_code is TRAMPOLINE_CODE
+                                 or frame.f_code.co_filename.startswith(HOOKS_DIR)):
+        frame = frame.f_back
+    return frame
+
+
+def _wrap(owner, attr: str, wrapper) -> None:
+    """Patch ``owner.attr`` with ``wrapper`` (idempotent per wrapper; two
+    adapters may each wrap one method: the later patch is the outer one)."""
+    if any(o is owner and a == attr and w is wrapper for o, a, _, w in _patched):
+        return  # already applied (register() is idempotent)
     original = owner.__dict__[attr]
-    if is_patched(original):
-        return  # already ours (register() is idempotent)
-    if type(original) is type(_trampoline):  # a plain function
-        if direct is not None:
-            patched = functools.wraps(original)(direct(original))
-            patched.__kvsan_patched__ = True
-        else:
-            patched = _trampoline(original, wrapper)
-        setattr(owner, attr, patched)
+    if type(original) is type(_trampoline) or (
+            getattr(original, "__kvsan_patched__", False)):  # a plain function
+        setattr(owner, attr, _trampoline(original, wrapper))
     else:
         wrapt.wrap_function_wrapper(owner, attr, wrapper)
-    _patched.append((owner, attr, original))
+    _patched.append((owner, attr, original, wrapper))
 
 
 def instrument(targets: list[Target]) -> tuple[list[str], list[str]]:
@@ -105,20 +120,76 @@ def instrument(targets: list[Target]) -> tuple[list[str], list[str]]:
         except (ImportError, AttributeError) as e:
             missing.append(f"{t.name} ({type(e).__name__}: {e})")
             continue
-        _wrap(cls, attr, t.wrapper, t.direct)
-        if t.subclasses:
-            for sub in _all_subclasses(cls):
-                if attr in sub.__dict__:
-                    _wrap(sub, attr, t.wrapper, t.direct)
+        owners = [cls] + [s for s in (_all_subclasses(cls) if t.subclasses else ())
+                          if attr in s.__dict__]
+        for c in owners:
+            if t.owner is None or not _register_owner(c.__dict__[attr], t.owner):
+                _wrap(c, attr, t.wrapper)
         installed.append(t.name)
     return installed, missing
 
 
-def uninstrument() -> None:
-    """Restore every original method patched by :func:`instrument`."""
-    while _patched:
-        owner, attr, original = _patched.pop()
-        setattr(owner, attr, original)
+def _register_owner(fn, spec) -> bool:
+    """Register a plain function's code as an owner frame (False: not a
+    plain function; the caller wraps it instead)."""
+    fn = getattr(fn, "__wrapped__", fn) if is_patched(fn) else fn
+    code = getattr(fn, "__code__", None)
+    if code is None or spec[0] not in code.co_varnames:
+        return False
+    OWNER_FRAMES[code] = spec
+    return True
+
+
+#: how far above an allocator call an owner frame is looked for (vLLM's
+#: managers call the pool directly or through one or two helpers)
+OWNER_DEPTH = 8
+
+
+def owner_from_frames(frame) -> str | None:
+    """The request the innermost owner frame at or above ``frame`` acts for."""
+    codes = OWNER_FRAMES
+    for _ in range(OWNER_DEPTH):
+        if frame is None:
+            return None
+        spec = codes.get(frame.f_code)
+        if spec is not None:
+            value = frame.f_locals.get(spec[0])
+            if spec[1] is not None:
+                value = getattr(value, spec[1], None)
+            return value if isinstance(value, str) else None
+        frame = frame.f_back
+    return None
+
+
+def request_on_stack(frame, request_id: str):
+    """The engine's Request object ``request_id`` held in a ``request``
+    local at or above ``frame`` (for hooks whose method gets only the id)."""
+    for _ in range(OWNER_DEPTH):
+        if frame is None:
+            return None
+        if "request" in frame.f_code.co_varnames:
+            request = frame.f_locals.get("request")
+            if getattr(request, "request_id", None) == request_id:
+                return request
+        frame = frame.f_back
+    return None
+
+
+def uninstrument(targets: list[Target] | None = None) -> None:
+    """Restore the original methods patched by :func:`instrument` (only
+    those of ``targets`` when given) and forget their owner frames."""
+    if targets is None:
+        OWNER_FRAMES.clear()
+        while _patched:
+            owner, attr, original, _ = _patched.pop()
+            setattr(owner, attr, original)
+        return
+    wrappers = {t.wrapper for t in targets}
+    for i in range(len(_patched) - 1, -1, -1):
+        owner, attr, original, wrapper = _patched[i]
+        if wrapper in wrappers:
+            setattr(owner, attr, original)
+            del _patched[i]
 
 
 def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:

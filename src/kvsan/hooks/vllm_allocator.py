@@ -21,7 +21,7 @@ from time import perf_counter as _perf_counter
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
 from ..report import KVSanViolation
-from . import TRAMPOLINE_CODE, Target, bind_args
+from . import Target, bind_args, engine_frame, owner_from_frames
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
@@ -32,28 +32,50 @@ CACHE_FULL_BLOCKS_ARGS = ("request", "blocks", "num_cached_blocks", "num_full_bl
 
 
 _SITES: dict = {}
-_TRAMPOLINE = TRAMPOLINE_CODE
 
 
 def _site(depth: int = 2) -> str:
     """'file.py:function:line' of the engine code that made the call (kvsan's
-    trampoline frame skipped).  Memoised per (code, line): a dict hit instead
-    of string formatting on every allocator call."""
+    trampolines and hook frames skipped).  Memoised per code position: a dict
+    hit instead of string formatting on every allocator call."""
     try:
         f = sys._getframe(depth)
     except ValueError:
         return "?"
-    if f.f_code is _TRAMPOLINE:
-        f = f.f_back
-        if f is None:
-            return "?"
-    key = (f.f_code, f.f_lineno)
+    return _site_of(engine_frame(f))
+
+
+def _site_of(f) -> str:
+    if f is None:
+        return "?"
+    # keyed by instruction offset: f_lineno walks the code's line table
+    # (slow in vLLM's long scheduler methods); f_lasti is a field read
+    key = (f.f_code, f.f_lasti)
     site = _SITES.get(key)
     if site is None:
         code = f.f_code
         site = _SITES[key] = (f"{code.co_filename.rsplit('/', 1)[-1]}:"
                               f"{code.co_name}:{f.f_lineno}")
     return site
+
+
+def _context(rt) -> tuple[str, str | None]:
+    """(call site, owner) of the pool call a hook observes: the owner is the
+    innermost explicit owner context (``rt.owner_ctx``), else the request of
+    the innermost owner frame on the engine's stack (see
+    :data:`kvsan.hooks.OWNER_FRAMES`), else None."""
+    try:
+        f = engine_frame(sys._getframe(2))
+    except ValueError:
+        return "?", rt.current_owner()
+    ctx = rt.owner_ctx
+    return _site_of(f), (ctx[-1][0] if ctx else owner_from_frames(f))
+
+
+def owner_here(rt) -> str | None:
+    """The request a pool call made from the caller's stack acts for."""
+    ctx = rt.owner_ctx
+    return ctx[-1][0] if ctx else owner_from_frames(sys._getframe(1))
 
 
 def _guard(rt, where: str, fn, *args) -> None:
@@ -112,8 +134,7 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt, ck = _checker(instance)
     if ck is not None:
-        site = _site()
-        owner = rt.current_owner()
+        site, owner = _context(rt)
         if owner is None:
             owner = f"anon:{site}"
             ck.shadow.nonrequest.add(owner)
@@ -132,8 +153,7 @@ def _touch(wrapped, instance, args, kwargs):
     if not isinstance(blocks, (list, tuple)):
         blocks = list(blocks)
     ret = wrapped(blocks, *args[1:], **{k: v for k, v in kwargs.items() if k != "blocks"})
-    site = _site()
-    owner = rt.current_owner()
+    site, owner = _context(rt)
     if owner is None:
         owner = f"pin:{site}"
         ck.shadow.nonrequest.add(owner)
@@ -185,8 +205,8 @@ def _make_release(arg_name: str):
         ret = wrapped(blocks, *rest, **kw)
         rt.journal.freed.extend(b.block_id for b in blocks if b.block_id in pre
                                 and b.ref_cnt == 0 and b.block_hash is None)
-        _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre),
-               rt.current_owner(), _site())
+        site, owner = _context(rt)
+        _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre), owner, site)
         return ret
 
     return _release
@@ -257,7 +277,8 @@ def _reset_prefix_cache(wrapped, instance, args, kwargs):
 
 # ------------------------------------------------- SingleTypeKVCacheManager
 def _request_scoped(tag: str):
-    """Name the request an allocator call below this method is made for."""
+    """Name the request an allocator call below this method is made for
+    (the fallback of an owner frame whose method is not a plain function)."""
 
     def wrapper(wrapped, instance, args, kwargs):
         rt = _rt.get()
@@ -274,51 +295,10 @@ def _request_scoped(tag: str):
 
 
 _scoped_alloc = _request_scoped("alloc")
-
-
-def _request_scoped_direct(tag: str):
-    """:func:`_request_scoped` as a direct patch (``Target.direct``): the
-    scheduler calls these methods once per request per step, so the owner
-    push/pop is inlined around the original call."""
-
-    def make(original):
-        def patched(self, *args, **kwargs):
-            rt = _rt._runtime
-            if rt is None:
-                return original(self, *args, **kwargs)
-            ctx = rt.owner_ctx
-            ctx.append((args[0] if args else kwargs.get("request_id"), tag))
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                ctx.pop()
-
-        return patched
-
-    return make
-
-
-def _kvm_request_scoped_direct(tag: str):
-    """:func:`_kvm_request_scoped` as a direct patch."""
-
-    def make(original):
-        def patched(self, *args, **kwargs):
-            rt = _rt._runtime
-            if rt is None:
-                return original(self, *args, **kwargs)
-            ctx = rt.owner_ctx
-            ctx.append(((args[0] if args else kwargs["request"]).request_id, tag))
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                ctx.pop()
-
-        return patched
-
-    return make
-
-
-_scoped_alloc_direct = _request_scoped_direct("alloc")
+#: owner-frame specs (``Target.owner``): the request id is an argument, or
+#: the ``request_id`` of the Request argument
+_RID = ("request_id", None)
+_REQUEST = ("request", "request_id")
 
 
 def _kvm_request_scoped(tag: str):
@@ -537,22 +517,23 @@ def targets() -> list[Target]:
         Target(_BP, "BlockPool.move_block_hashes", _move_block_hashes),
         Target(_BP, "BlockPool.evict_blocks", _evict_blocks),
         Target(_BP, "BlockPool.reset_prefix_cache", _reset_prefix_cache),
+        # owner frames: an allocator call below one of these methods is made
+        # for the request named by its argument (read from the stack only
+        # when an allocator event happens; they are called per request per step)
         Target(_STM, "SingleTypeKVCacheManager.add_local_computed_blocks", _scoped_alloc, True,
-               direct=_scoped_alloc_direct),
+               owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager.allocate_new_blocks", _scoped_alloc, True,
-               direct=_scoped_alloc_direct),
+               owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager.allocate_external_computed_blocks",
-               _scoped_alloc, True,
-               direct=_scoped_alloc_direct),
+               _scoped_alloc, True, owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range", _scoped_alloc, True,
-               direct=_scoped_alloc_direct),
+               owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager.free", _manager_free, True),
         Target(_STM, "SingleTypeKVCacheManager.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
         Target(_KVM, "KVCacheManager.allocate_slots", _kvm_request_scoped("alloc"),
-               direct=_kvm_request_scoped_direct("alloc")),
-        Target(_KVM, "KVCacheManager.free", _kvm_request_scoped("free"),
-               direct=_kvm_request_scoped_direct("free")),
+               owner=_REQUEST),
+        Target(_KVM, "KVCacheManager.free", _kvm_request_scoped("free"), owner=_REQUEST),
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),

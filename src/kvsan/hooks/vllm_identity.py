@@ -1,8 +1,10 @@
 """vLLM adapter for the cache identity audit (EngineCore).
 
 Producer identity when ``BlockPool.cache_full_blocks`` registers a block;
-consumer identity when ``KVCacheManager.allocate_slots`` is handed prefix
-hits.  Epochs that vLLM's block hash leaves out are tracked here: the
+consumer identity when ``KVCacheCoordinator.allocate_new_computed_blocks``
+hands a request its prefix hits (called only for a request that has hits,
+not once per request per step as ``allocate_slots`` is; the Request itself is
+read from the calling ``allocate_slots`` frame).  Epochs that vLLM's block hash leaves out are tracked here: the
 weights epoch (bumped by every weight update or reload RPC and by
 ``set_weight_version``) and a per-name LoRA load epoch (``add_lora``).
 Everything is read from the Request, never from vLLM's extra keys.
@@ -10,20 +12,18 @@ Everything is read from the Request, never from vLLM's extra keys.
 
 from __future__ import annotations
 
+import sys
 import weakref
-
-import wrapt
 
 from .. import runtime as _rt
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
-from . import bind_args
+from . import Target, bind_args, instrument, request_on_stack, uninstrument
 from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS, _guard
 
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
 _lora_epochs: dict[str, int] = {}
 _chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> chain
 _audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
-_patched: list = []
 WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
                "update_weights_from", "init_weight_transfer")
 
@@ -34,7 +34,15 @@ def bump_weights_epoch() -> int:
 
 
 def _weights() -> bytes:
-    return digest("weights", text(_state["model"]), text(_state["weights_epoch"]))
+    """Digest of the weights identity (model, epoch), recomputed only when
+    either changes (it is part of every block's fields)."""
+    key = (_state["model"], _state["weights_epoch"])
+    if _weights_memo[0] != key:
+        _weights_memo[:] = [key, digest("weights", text(key[0]), text(key[1]))]
+    return _weights_memo[1]
+
+
+_weights_memo: list = [None, b""]
 
 
 def _audit(rt, pool) -> IdentityAudit | None:
@@ -73,7 +81,8 @@ def _chain(request, bs: int, upto: int) -> RequestIdentity:
             part = embeds[k * bs:(k + 1) * bs].detach().cpu().contiguous()
             return hashlib_digest(part)
 
-        ident.extend(upto, lambda k: tokens[k * bs:(k + 1) * bs], mm, emb)
+        ident.extend(upto, lambda k: tokens[k * bs:(k + 1) * bs], mm if feats else None,
+                     None if embeds is None else emb)
     return ident
 
 
@@ -110,18 +119,21 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
     return ret
 
 
-def _allocate_slots(wrapped, instance, args, kwargs):
+def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
     rt = _rt.get()
     audit = _audit(rt, instance.block_pool) if rt is not None else None
     if audit is not None:
+        caller = sys._getframe(1)
+
         def check():
-            request = args[0] if args else kwargs["request"]
-            hits = args[3] if len(args) > 3 else kwargs.get("new_computed_blocks")
-            if hits is None:
-                return
-            blocks = hits.blocks[0] if hits.blocks else ()
+            v = bind_args(args, kwargs, ("request_id", "new_computed_blocks"))
+            hits = v.get("new_computed_blocks")
+            blocks = hits[0] if hits else ()
             if not blocks:
                 return
+            request = request_on_stack(caller, v["request_id"])
+            if request is None:
+                raise LookupError(f"no Request {v['request_id']!r} on the calling stack")
             ident = _chain(request, instance.block_pool.hash_block_size, len(blocks))
             for i, b in enumerate(blocks):
                 if not b.is_null:
@@ -159,31 +171,25 @@ def _scheduler_init(wrapped, instance, args, kwargs):
     return ret
 
 
-def install() -> list[str]:
-    import importlib
-
-    targets = [
-        ("vllm.v1.core.block_pool", "BlockPool", "cache_full_blocks", _cache_full_blocks),
-        ("vllm.v1.core.kv_cache_manager", "KVCacheManager", "allocate_slots", _allocate_slots),
-        ("vllm.v1.core.sched.scheduler", "Scheduler", "__init__", _scheduler_init),
-        ("vllm.v1.engine.core", "EngineCore", "collective_rpc", _collective_rpc),
-        ("vllm.v1.engine.core", "EngineCore", "set_weight_version", _set_weight_version),
-        ("vllm.v1.engine.core", "EngineCore", "add_lora", _add_lora),
+def targets() -> list[Target]:
+    return [
+        Target("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks", _cache_full_blocks),
+        Target("vllm.v1.core.kv_cache_coordinator",
+               "KVCacheCoordinator.allocate_new_computed_blocks", _allocate_new_computed_blocks),
+        Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init),
+        Target("vllm.v1.engine.core", "EngineCore.collective_rpc", _collective_rpc),
+        Target("vllm.v1.engine.core", "EngineCore.set_weight_version", _set_weight_version),
+        Target("vllm.v1.engine.core", "EngineCore.add_lora", _add_lora),
     ]
-    done = []
-    for module, cls_name, attr, wrapper in targets:
-        try:
-            cls = getattr(importlib.import_module(module), cls_name)
-            original = cls.__dict__[attr]
-        except (ImportError, AttributeError, KeyError):
-            continue
-        _patched.append((cls, attr, original))
-        wrapt.wrap_function_wrapper(cls, attr, wrapper)
-        done.append(f"identity:{cls_name}.{attr}")
-    return done
+
+
+def install() -> list[str]:
+    """Patch the identity audit's targets (through kvsan's trampolines: on
+    ``cache_full_blocks`` it is a second hook on top of the allocator's)."""
+    ts = targets()
+    installed, _ = instrument(ts)
+    return [f"identity:{t.qualname}" for t in ts if t.name in installed]
 
 
 def uninstall() -> None:
-    while _patched:
-        cls, attr, original = _patched.pop()
-        setattr(cls, attr, original)
+    uninstrument(targets())
