@@ -47,7 +47,9 @@ class Target:
 
 #: (class, attribute, original, wrapper), in patching order
 _patched: list[tuple[object, str, object, object]] = []
-#: code object of an owner-scoped engine method -> (local name, attribute)
+#: id of the code object of an owner-scoped engine method -> (code object,
+#: (local name, attribute)).  Keyed by id: hashing a code object hashes its
+#: bytecode, on every frame looked at.
 OWNER_FRAMES: dict = {}
 
 
@@ -136,7 +138,7 @@ def _register_owner(fn, spec) -> bool:
     code = getattr(fn, "__code__", None)
     if code is None or spec[0] not in code.co_varnames:
         return False
-    OWNER_FRAMES[code] = spec
+    OWNER_FRAMES[id(code)] = (code, spec)
     return True
 
 
@@ -151,8 +153,10 @@ def owner_from_frames(frame) -> str | None:
     for _ in range(OWNER_DEPTH):
         if frame is None:
             return None
-        spec = codes.get(frame.f_code)
-        if spec is not None:
+        code = frame.f_code
+        entry = codes.get(id(code))
+        if entry is not None and entry[0] is code:
+            spec = entry[1]
             value = frame.f_locals.get(spec[0])
             if spec[1] is not None:
                 value = getattr(value, spec[1], None)

@@ -48,15 +48,15 @@ def _site(depth: int = 2) -> str:
 def _site_of(f) -> str:
     if f is None:
         return "?"
-    # keyed by instruction offset: f_lineno walks the code's line table
-    # (slow in vLLM's long scheduler methods); f_lasti is a field read
-    key = (f.f_code, f.f_lasti)
-    site = _SITES.get(key)
-    if site is None:
-        code = f.f_code
-        site = _SITES[key] = (f"{code.co_filename.rsplit('/', 1)[-1]}:"
-                              f"{code.co_name}:{f.f_lineno}")
-    return site
+    # keyed by (id of code, instruction offset): hashing a code object hashes
+    # its bytecode and constants, and f_lineno walks the line table; both
+    # are slow in vLLM's long scheduler methods
+    code = f.f_code
+    entry = _SITES.get((id(code), f.f_lasti))
+    if entry is None or entry[0] is not code:
+        entry = _SITES[(id(code), f.f_lasti)] = (
+            code, f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{f.f_lineno}")
+    return entry[1]
 
 
 def _context(rt) -> tuple[str, str | None]:
@@ -166,6 +166,9 @@ def _touch(wrapped, instance, args, kwargs):
 def _release_obs(instance, blocks, pre):
     """One observation per reference dropped, in call order; intermediate
     counts are derived, the last one per block is what the engine shows."""
+    if len(pre) == len(blocks):  # each block once (the common case)
+        return [(b.block_id, *pre[b.block_id], b.ref_cnt, b.prev_free_block is not None)
+                for b in blocks]
     last = {}
     for i, b in enumerate(blocks):
         if b.block_id in pre:
@@ -203,8 +206,8 @@ def _make_release(arg_name: str):
             if (b.pool is None or b.pool is instance) and not b.is_null and b.block_id not in pre:
                 pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
         ret = wrapped(blocks, *rest, **kw)
-        rt.journal.freed.extend(b.block_id for b in blocks if b.block_id in pre
-                                and b.ref_cnt == 0 and b.block_hash is None)
+        rt.journal.freed.extend([b.block_id for b in blocks if b.ref_cnt == 0
+                                 and b.block_hash is None and b.block_id in pre])
         site, owner = _context(rt)
         _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre), owner, site)
         return ret

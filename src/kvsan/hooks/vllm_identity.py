@@ -45,12 +45,21 @@ def _weights() -> bytes:
 _weights_memo: list = [None, b""]
 
 
+#: one-entry cache in front of the two weak dictionaries: [runtime, weak
+#: ref to pool, audit] (a WeakKeyDictionary lookup makes a weak reference)
+_LAST: list = [None, None, None]
+
+
 def _audit(rt, pool) -> IdentityAudit | None:
+    last = _LAST
+    if rt is not None and last[0] is rt and last[1]() is pool:
+        return last[2]
     if rt is None or pool not in rt.checkers:
         return None
     a = _audits.get(pool)
     if a is None:
         a = _audits[pool] = IdentityAudit(rt.reporter.emit, rt.get_step)
+    _LAST[:] = [rt, weakref.ref(pool), a]
     return a
 
 
