@@ -335,3 +335,19 @@ def test_v2_prepare_attn_guard_adapter(kvsan_rt):
     bad = [v for v in kvsan_rt.violations() if v.kind == "overwrite_shared_block"]
     assert [(v.blocks, v.actor) for v in bad] == [([1], "Q")]
     del vllm_worker._checkers[runner]
+
+
+def test_worker_request_interning_is_bounded_and_clears_producers():
+    """The worker's request-id interning recycles ints: it grows with the
+    requests live at once, not with every request ever seen, and a dropped
+    request stops being the producer of its blocks."""
+    from kvsan.checks.device import DeviceChecker
+
+    dc = DeviceChecker(64, 16, emit=lambda v: None)
+    for i in range(1000):
+        rid = f"req-{i}"
+        dc.add_step([(rid, [1 + i % 8, 9 + i % 8], 0)])
+        assert int(dc.lut[1 + i % 8]) == dc._rid_int[rid]
+        dc.drop_request(rid)
+        assert int(dc.lut[1 + i % 8]) == -1 and int(dc.lut[9 + i % 8]) == -1
+    assert len(dc._int_rid) == 1 and not dc._rid_int

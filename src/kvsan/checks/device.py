@@ -72,8 +72,12 @@ class DeviceChecker:
         # worker view
         self.req_blocks: dict[str, list[int]] = {}
         self.holders: dict[int, set[str]] = {}
+        #: request ids interned as ints for the device lookup table; an int
+        #: is recycled when its request leaves the worker view (bounded by the
+        #: number of requests live at once, not by requests ever seen)
         self._rid_int: dict[str, int] = {}
-        self._int_rid: list[str] = []
+        self._int_rid: list[str | None] = []
+        self._free_ints: list[int] = []
         # device-resident lookup tables for the write guard
         self.lut = torch.full((num_blocks,), _NONE, dtype=torch.int32, device=self.device)
         self.sealed_mask = torch.zeros(num_blocks, dtype=torch.bool, device=self.device)
@@ -101,8 +105,13 @@ class DeviceChecker:
     def _rint(self, rid: str) -> int:
         i = self._rid_int.get(rid)
         if i is None:
-            i = self._rid_int[rid] = len(self._int_rid)
-            self._int_rid.append(rid)
+            if self._free_ints:
+                i = self._free_ints.pop()
+                self._int_rid[i] = rid
+            else:
+                i = len(self._int_rid)
+                self._int_rid.append(rid)
+            self._rid_int[rid] = i
         return i
 
     def _set_producer(self, b: int, rid: str | None) -> None:
@@ -112,14 +121,21 @@ class DeviceChecker:
 
     def drop_request(self, rid: str) -> None:
         me = self._rid_int.pop(rid, None)
-        for b in self.req_blocks.pop(rid, ()):
+        blocks = self.req_blocks.pop(rid, ())
+        for b in blocks:
             h = self.holders.get(b)
             if h is not None:
                 h.discard(rid)
                 if not h:
                     del self.holders[b]
-            if me is not None and int(self.lut[b]) == me:
-                self._set_producer(b, None)
+        if me is None:
+            return
+        if blocks:  # the blocks it produced have no producer now (one small op, no sync)
+            idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+            lut = self.lut
+            lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
+        self._int_rid[me] = None
+        self._free_ints.append(me)
 
     def add_step(self, adds: Sequence[tuple[str, Sequence[int], int]]) -> tuple[list, list]:
         """This step's block-table growth: ``(rid, blocks, n_hits)`` with the
