@@ -89,6 +89,11 @@ def one_run(model: str, groups: int, per_group: int, seed: int) -> dict:
             # CPU time of the process (engine, model and kvsan all run in it):
             # on a shared machine, wall time mostly measures the neighbours
             "cpu_s": cpu, "cpu_step_ms": statistics.median(cpu_steps) * 1e3,
+            # kvsan's own time, measured inside the same steps: all of it,
+            # and the worker-side (device) part
+            "steps_s": sum(steps),
+            "kvsan_s": rt.overhead_s if rt is not None else 0.0,
+            "device_s": rt.device_s if rt is not None else 0.0,
             "violations": len(rt.violations()) if rt is not None else 0,
             "kvsan": rt is not None}
 

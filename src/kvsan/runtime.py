@@ -71,6 +71,8 @@ class Runtime:
         self.journal = StepJournal()
         #: seconds spent in kvsan's checks (exported as kvsan_overhead_seconds_total)
         self.overhead_s = 0.0
+        #: the part of ``overhead_s`` spent in the worker-side (device) hooks
+        self.device_s = 0.0
 
     def current_owner(self) -> str | None:
         return self.owner_ctx[-1][0] if self.owner_ctx else None

@@ -17,6 +17,7 @@ block tables and cache tensors are all visible around ``execute_model``.
 from __future__ import annotations
 
 import weakref
+from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
 from ..checks.device import DeviceChecker
@@ -47,6 +48,16 @@ def _layers(runner) -> list:
     views = [group_kernel_blocks(t, nb) for t in tensors]
     _layer_views[runner] = (key, views)
     return views
+
+
+def _dguard(rt, where: str, fn, *args) -> None:
+    """:func:`_guard` for the device side, its time also added to
+    ``rt.device_s`` (so the two sides' costs can be told apart in one run)."""
+    t0 = _perf_counter()
+    try:
+        _guard(rt, where, fn, *args)
+    finally:
+        rt.device_s += _perf_counter() - t0
 
 
 def _device_checker(rt, runner) -> DeviceChecker | None:
@@ -135,10 +146,10 @@ def _execute_model(wrapped, instance, args, kwargs):
     except Exception as e:  # noqa: BLE001
         rt.reporter.internal_error("device_checker", e)
     if dc is not None:
-        _guard(rt, "execute_model.begin", begin_step, rt, dc, instance, so)
+        _dguard(rt, "execute_model.begin", begin_step, rt, dc, instance, so)
     ret = wrapped(*args, **kwargs)
     if dc is not None:
-        _guard(rt, "execute_model.seal", lambda: dc.seal(_layers(instance)))
+        _dguard(rt, "execute_model.seal", lambda: dc.seal(_layers(instance)))
     return ret
 
 
@@ -153,7 +164,7 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
             table = instance.input_batch.block_table.block_tables[0]
             dc.guard(table.slot_mapping.gpu, instance.input_batch.req_ids[:num_reqs],
                      [int(n) for n in num_sched[:num_reqs]])
-        _guard(rt, "_prepare_inputs.guard", check)
+        _dguard(rt, "_prepare_inputs.guard", check)
     return ret
 
 
@@ -171,7 +182,7 @@ def _prepare_attn_v2(wrapped, instance, args, kwargs):
             if sum(counts) != batch.num_tokens:
                 return  # adaptive speculative verification: no per-token owner map
             dc.guard(ret[1][0], batch.req_ids[:n], counts)
-        _guard(rt, "prepare_attn.guard", check)
+        _dguard(rt, "prepare_attn.guard", check)
     return ret
 
 
