@@ -351,3 +351,25 @@ def test_worker_request_interning_is_bounded_and_clears_producers():
         dc.drop_request(rid)
         assert int(dc.lut[1 + i % 8]) == -1 and int(dc.lut[9 + i % 8]) == -1
     assert len(dc._int_rid) == 1 and not dc._rid_int
+
+
+def test_sampled_checksums_find_a_scribble_within_one_sweep():
+    """``sample:N``: sealed blocks nobody hits are still re-verified, N per
+    step on average in batches, so a scribble is found within one sweep."""
+    import torch
+
+    from kvsan.checks.device import DeviceChecker
+
+    found = []
+    dc = DeviceChecker(16, 4, emit=found.append, checksum="sample", checksum_sample=1)
+    layers = [torch.zeros(16, 4, 2), torch.zeros(16, 4, 2)]  # block-major
+    dc.add_step([("r", [1, 2, 3], 0)])
+    dc.will_seal([1, 2, 3])
+    dc.guard(torch.arange(4, 16), ["r"], [12])  # slots 4..15: blocks 1..3, all written
+    dc.seal(layers)
+    assert sorted(dc.sealed) == [1, 2, 3]
+    layers[1][2, 1, 0] = 7.0  # scribble into layer 1 of block 2, between steps
+    for _ in range(3 * DeviceChecker.SAMPLE_BATCH_STEPS):
+        dc.verify_step(layers)
+    assert [(v.kind, v.blocks, v.details[0]["layers"], v.details[0]["check"])
+            for v in found] == [("checksum_mismatch", [2], [1], "sampled")]

@@ -91,6 +91,7 @@ class DeviceChecker:
         self.pending_seal: list[int] = []
         self.sums: dict[int, torch.Tensor] = {}  # block -> (layers,) int64
         self._cursor = 0
+        self._tick = 0
         self._weights: dict[int, torch.Tensor] = {}
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0}
@@ -234,8 +235,12 @@ class DeviceChecker:
             self.sealed_mask[b] = True
         self.counters["sealed"] += len(blocks)
 
-    def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int], why: str) -> None:
-        blocks = [b for b in dict.fromkeys(blocks) if b in self.sums]
+    def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int] | dict,
+               why: str = "") -> None:
+        """Re-checksum sealed ``blocks`` (one batched gather) and report any
+        that changed.  ``blocks`` may map each block to why it is checked."""
+        whys = blocks if isinstance(blocks, dict) else dict.fromkeys(blocks, why)
+        blocks = [b for b in whys if b in self.sums]
         if not blocks or not layers:
             return
         self.counters["verified"] += len(blocks)
@@ -247,10 +252,10 @@ class DeviceChecker:
                 self._report(
                     kinds.CHECKSUM_MISMATCH,
                     f"sealed block {b} changed since step {self.sealed.get(b)} "
-                    f"(layers {diff}; checked {why})",
+                    f"(layers {diff}; checked {whys[b]})",
                     [b], owners, None,
                     details=[{"block": b, "layers": diff, "sealed_step": self.sealed.get(b),
-                              "check": why}])
+                              "check": whys[b]}])
                 self.sums[b] = cur  # report once per change
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -258,13 +263,11 @@ class DeviceChecker:
         for src, dst in pairs:
             self.fill[dst] = self.fill[src]
 
-    def verify_hits(self, layers, hits: Sequence[tuple[str, int]]) -> None:
-        """Prefix hits served this step: intact since sealing?  (Whether they
-        are written at all is checked by :meth:`check_hits_written` once the
-        step's slot mapping is known.)"""
+    def note_hits(self, hits: Sequence[tuple[str, int]]) -> None:
+        """Prefix hits served this step: whether they are written at all is
+        checked by :meth:`check_hits_written` once the step's slot mapping
+        is known; whether they are intact, by :meth:`verify_step`."""
         self.step_hits = list(hits)
-        if self.checksum != "off":
-            self.verify(layers, [b for _, b in hits], "at prefix hit")
 
     def check_hits_written(self) -> None:
         hits, self.step_hits = self.step_hits, []
@@ -280,17 +283,34 @@ class DeviceChecker:
                     f"{int(self.fill[b])} of its {self.block_size} slots have been written",
                     [b], [rid], rid)
 
-    def verify_sampled(self, layers) -> None:
+    #: ``sample:N`` verifies N sealed blocks per step on average, batched:
+    #: N x this many blocks every this many steps.  A verification's cost is
+    #: mostly its fixed number of tensor ops, not its number of blocks, so
+    #: the batch pays that fixed cost once per 8 steps instead of every step
+    #: (measured: ``python -m benchmarks.device``).
+    SAMPLE_BATCH_STEPS = 8
+
+    def verify_step(self, layers, hit_blocks: Sequence[int] = ()) -> None:
+        """This step's checksum verification, as one batched gather: the
+        sealed blocks served as prefix hits (every step, before the step
+        reads them) and the sampled ones (round robin, see
+        :data:`SAMPLE_BATCH_STEPS`; every sealed block every step with
+        ``all``)."""
         if self.checksum == "off" or not self.sums:
             return
-        keys = list(self.sums)
+        whys = dict.fromkeys(hit_blocks, "at prefix hit")
+        self._tick += 1
         if self.checksum == "all":
-            self.verify(layers, keys, "every step")
-            return
-        n = min(self.checksum_sample, len(keys))
-        start = self._cursor % len(keys)
-        self._cursor = start + n
-        self.verify(layers, (keys + keys)[start:start + n], "sampled")
+            for b in self.sums:
+                whys.setdefault(b, "every step")
+        elif self._tick % self.SAMPLE_BATCH_STEPS == 0:
+            keys = list(self.sums)
+            n = min(self.checksum_sample * self.SAMPLE_BATCH_STEPS, len(keys))
+            start = self._cursor % len(keys)
+            self._cursor = start + n
+            for b in (keys + keys)[start:start + n]:
+                whys.setdefault(b, "sampled")
+        self.verify(layers, whys)
 
     # -- poison -----------------------------------------------------------------
     def poison(self, layers, blocks: Iterable[int]) -> None:
@@ -330,8 +350,9 @@ class DeviceChecker:
         writer = torch.repeat_interleave(ids, counts)
         valid = slots >= 0
         blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
-        written = torch.bincount(blk[valid], minlength=self.num_blocks)
-        self.fill += written.to(torch.int32)
+        # O(tokens written), not O(pool): the pool may have a million blocks
+        hit = blk[valid]
+        self.fill.index_add_(0, hit, torch.ones_like(hit, dtype=torch.int32))
         self.check_hits_written()
         bad = valid & ((self.lut[blk] != writer) | self.sealed_mask[blk])
         if not bool(bad.any()):

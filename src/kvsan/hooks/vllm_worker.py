@@ -122,8 +122,10 @@ def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
             handed = set(fresh)
             dc.poison(layers, [b for b in payload["freed"] if b not in handed])
         if not _has_connector():  # connector loads write without slot mappings
-            dc.verify_hits(layers, hits)
-    dc.verify_sampled(layers)
+            dc.note_hits(hits)
+            dc.verify_step(layers, [b for _, b in hits])
+            return
+    dc.verify_step(layers)
 
 
 def _has_connector() -> bool:
