@@ -63,15 +63,31 @@ def _audit(rt, pool) -> IdentityAudit | None:
     return a
 
 
+#: (lora, cache_salt, dtype) -> their digests: most requests share them, so
+#: a new request usually costs no BLAKE2b here (bounded: salts can be many)
+_static_memo: dict = {}
+_STATIC_MEMO_MAX = 4096
+
+
+def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes, bytes]:
+    key = (lora, salt, dtype)
+    out = _static_memo.get(key)
+    if out is None:
+        if len(_static_memo) >= _STATIC_MEMO_MAX:
+            _static_memo.clear()
+        out = _static_memo[key] = (
+            digest("lora", *((text(x) for x in lora) if lora else (b"",))),
+            digest("salt", text(salt)), b"", digest("dtype", text(dtype)))
+    return out
+
+
 def _chain(request, bs: int, upto: int) -> RequestIdentity:
     ident = _chains.get(request)
     if ident is None:
         lr = request.lora_request
-        lora = digest("lora", *(
-            (text(lr.lora_name), text(lr.lora_int_id), text(lr.lora_path),
-             text(_lora_epochs.get(lr.lora_name, 0))) if lr else (b"",)))
-        ident = RequestIdentity(lora, digest("salt", text(request.cache_salt)),
-                                b"", digest("dtype", text(_state["dtype"])))
+        lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
+                if lr else None)
+        ident = RequestIdentity(*_static_digests(lora, request.cache_salt, _state["dtype"]))
         _chains[request] = ident
     if len(ident.tok) < upto:
         tokens = request.all_token_ids
