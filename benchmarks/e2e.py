@@ -157,6 +157,12 @@ def bench(models=None, rounds: int = 3, groups: int = 6, per_group: int = 5, see
                          for x, o in zip(runs[s], runs["off"])],
                 "wall_throughput": [o["wall_s"] / x["wall_s"]
                                     for x, o in zip(runs[s], runs["off"])],
+                # measured inside each run, so immune to run-to-run drift:
+                # kvsan's checks as a share of the step time, all and device
+                "kvsan_share": [x.get("kvsan_s", 0.0) / x["steps_s"] for x in runs[s]
+                                if x.get("steps_s")],
+                "device_share": [x.get("device_s", 0.0) / x["steps_s"] for x in runs[s]
+                                 if x.get("steps_s")],
             }
         res[name] = entry
     return res
@@ -174,11 +180,16 @@ def markdown(res: dict) -> str:
                 stp = [1 / x for x in e[s]["step"]]
             else:
                 thr, stp = e[s]["throughput"], e[s]["step"]
+            share = e[s].get("kvsan_share")
+            dev = e[s].get("device_share")
             rows.append([name, label, f"{e['tokens']} tok / {e['steps']} steps",
                          f"{e['off_tok_s']:.0f}", f"{e['off_step_ms']:.1f}",
-                         ratio_cell(thr), ratio_cell(stp)])
+                         ratio_cell(thr), ratio_cell(stp),
+                         f"{median(share) * 100:.1f}% ({median(dev) * 100:.1f}% device)"
+                         if share and s != "absent" else "-"])
     return table(["model", "setting", "workload", "off tok per CPU-s", "off step CPU ms",
-                  "throughput / off (CPU time)", "step latency / off (CPU time)"], rows)
+                  "throughput / off (CPU time)", "step latency / off (CPU time)",
+                  "kvsan's checks / step time, in-run"], rows)
 
 
 if __name__ == "__main__":
