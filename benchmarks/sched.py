@@ -24,7 +24,7 @@ import gc
 import random
 import time
 
-from .common import SETTINGS, config_for, median, ratio_cell, table
+from .common import SETTINGS, config_for, ratio_cell, table
 
 BLOCK = 16
 _MODEL = None

@@ -2,7 +2,6 @@
 each fault is injected into the running engine and the exact kind, block and
 owner asserted; clean traffic at the strictest settings gives zero."""
 
-import math
 import os
 
 import pytest

@@ -12,7 +12,12 @@ calling convention).  wrapt's own ``FunctionWrapper`` builds a bound proxy
 object on every attribute access, about 2 µs per call on CPython 3.11: the
 scheduler calls some hooked methods once per request per step, so that alone
 was most of kvsan's overhead.  Other descriptors (classmethod, staticmethod)
-still go through wrapt.
+still go through wrapt.  Two adapters may hook one method (the allocator
+and the identity audit both watch ``cache_full_blocks``): trampolines chain.
+
+Methods that only name the request an allocator call is made for are not
+wrapped at all: their code objects are registered as *owner frames*
+(``Target.owner``) and read from the stack when a pool event happens.
 """
 
 from __future__ import annotations
@@ -101,8 +106,7 @@ def _wrap(owner, attr: str, wrapper) -> None:
     if any(o is owner and a == attr and w is wrapper for o, a, _, w in _patched):
         return  # already applied (register() is idempotent)
     original = owner.__dict__[attr]
-    if type(original) is type(_trampoline) or (
-            getattr(original, "__kvsan_patched__", False)):  # a plain function
+    if type(original) is type(_trampoline):  # a plain function (or our trampoline)
         setattr(owner, attr, _trampoline(original, wrapper))
     else:
         wrapt.wrap_function_wrapper(owner, attr, wrapper)

@@ -3,10 +3,11 @@
 Producer identity when ``BlockPool.cache_full_blocks`` registers a block;
 consumer identity when ``KVCacheCoordinator.allocate_new_computed_blocks``
 hands a request its prefix hits (called only for a request that has hits,
-not once per request per step as ``allocate_slots`` is; the Request itself is
-read from the calling ``allocate_slots`` frame).  Epochs that vLLM's block hash leaves out are tracked here: the
-weights epoch (bumped by every weight update or reload RPC and by
-``set_weight_version``) and a per-name LoRA load epoch (``add_lora``).
+not once per request per step as ``allocate_slots`` is; the Request itself
+is read from the calling ``allocate_slots`` frame).  Epochs that vLLM's
+block hash leaves out are tracked here: the weights epoch (bumped by every
+weight update or reload RPC and by ``set_weight_version``) and a per-name
+LoRA load epoch (``add_lora``).
 Everything is read from the Request, never from vLLM's extra keys.
 """
 
