@@ -284,3 +284,27 @@ def test_randomized_clean_sequences(rt, seed):
     assert found == 0 and kinds_of(rt) == []
     assert ck.shadow.stats() == {"live_owned": 0, "cached_evictable": 0, "free": 23,
                                  "leaked": 0, "tracked_requests": 0}
+
+
+def test_instrumenting_twice_wraps_each_method_once(rt):
+    """``instrument()`` is idempotent per hook, also for hooks an adapter
+    makes with a factory (new closures on every ``targets()`` call), while a
+    second adapter may still chain its own hook on the same method; and
+    attribution still names the request afterwards."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvsan import hooks
+    from kvsan.hooks import vllm_allocator
+
+    hooks.instrument(vllm_allocator.targets())
+    for attr in ("free_blocks", "unpin_blocks", "get_new_blocks"):
+        inner = BlockPool.__dict__[attr].__wrapped__
+        assert not getattr(inner, "__kvsan_patched__", False), attr
+    wrapped_twice = BlockPool.__dict__["cache_full_blocks"].__wrapped__  # identity audit
+    assert getattr(wrapped_twice, "__kvsan_patched__", False)
+    assert not getattr(wrapped_twice.__wrapped__, "__kvsan_patched__", False)
+    m = make_manager()
+    a, b, shared = shared_pair(m)
+    finish(m, a)
+    finish(m, b)
+    assert kinds_of(rt) == []

@@ -100,11 +100,19 @@ def engine_frame(frame):
     return frame
 
 
+def _hook_key(wrapper) -> tuple:
+    """What identifies a hook across calls of an adapter's ``targets()``:
+    wrappers made by a factory are new closures each time, but share their
+    module and qualified name."""
+    return (getattr(wrapper, "__module__", None), getattr(wrapper, "__qualname__", repr(wrapper)))
+
+
 def _wrap(owner, attr: str, wrapper) -> None:
-    """Patch ``owner.attr`` with ``wrapper`` (idempotent per wrapper; two
+    """Patch ``owner.attr`` with ``wrapper`` (idempotent per hook; two
     adapters may each wrap one method: the later patch is the outer one)."""
-    if any(o is owner and a == attr and w is wrapper for o, a, _, w in _patched):
-        return  # already applied (register() is idempotent)
+    key = _hook_key(wrapper)
+    if any(o is owner and a == attr and _hook_key(w) == key for o, a, _, w in _patched):
+        return  # already applied (instrument() is idempotent)
     original = owner.__dict__[attr]
     if type(original) is type(_trampoline):  # a plain function (or our trampoline)
         setattr(owner, attr, _trampoline(original, wrapper))
@@ -192,10 +200,10 @@ def uninstrument(targets: list[Target] | None = None) -> None:
             owner, attr, original, _ = _patched.pop()
             setattr(owner, attr, original)
         return
-    wrappers = {t.wrapper for t in targets}
+    keys = {_hook_key(t.wrapper) for t in targets}
     for i in range(len(_patched) - 1, -1, -1):
         owner, attr, original, wrapper = _patched[i]
-        if wrapper in wrappers:
+        if _hook_key(wrapper) in keys:
             setattr(owner, attr, original)
             del _patched[i]
 

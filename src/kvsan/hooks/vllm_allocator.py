@@ -279,41 +279,24 @@ def _reset_prefix_cache(wrapped, instance, args, kwargs):
 
 
 # ------------------------------------------------- SingleTypeKVCacheManager
-def _request_scoped(tag: str):
-    """Name the request an allocator call below this method is made for
-    (the fallback of an owner frame whose method is not a plain function)."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        rt = _rt.get()
-        if rt is None:
-            return wrapped(*args, **kwargs)
-        rid = args[0] if args else kwargs.get("request_id")
-        rt.owner_ctx.append((rid, tag))
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            rt.owner_ctx.pop()
-
-    return wrapper
-
-
-_scoped_alloc = _request_scoped("alloc")
 #: owner-frame specs (``Target.owner``): the request id is an argument, or
 #: the ``request_id`` of the Request argument
 _RID = ("request_id", None)
 _REQUEST = ("request", "request_id")
 
 
-def _kvm_request_scoped(tag: str):
-    """Same, one level up (``KVCacheManager`` takes the Request): a second,
-    independent source of attribution if a per-group manager is replaced."""
+def _owner_scoped(spec: tuple[str, str | None], tag: str):
+    """The fallback of an owner frame whose method is not a plain function:
+    push the request named by the method's first argument (read as ``spec``
+    says) while it runs."""
+    name, attr = spec
 
     def wrapper(wrapped, instance, args, kwargs):
         rt = _rt.get()
         if rt is None:
             return wrapped(*args, **kwargs)
-        request = args[0] if args else kwargs["request"]
-        rt.owner_ctx.append((request.request_id, tag))
+        value = args[0] if args else kwargs.get(name)
+        rt.owner_ctx.append((getattr(value, attr) if attr else value, tag))
         try:
             return wrapped(*args, **kwargs)
         finally:
@@ -523,20 +506,20 @@ def targets() -> list[Target]:
         # owner frames: an allocator call below one of these methods is made
         # for the request named by its argument (read from the stack only
         # when an allocator event happens; they are called per request per step)
-        Target(_STM, "SingleTypeKVCacheManager.add_local_computed_blocks", _scoped_alloc, True,
-               owner=_RID),
-        Target(_STM, "SingleTypeKVCacheManager.allocate_new_blocks", _scoped_alloc, True,
-               owner=_RID),
+        Target(_STM, "SingleTypeKVCacheManager.add_local_computed_blocks",
+               _owner_scoped(_RID, "alloc"), True, owner=_RID),
+        Target(_STM, "SingleTypeKVCacheManager.allocate_new_blocks",
+               _owner_scoped(_RID, "alloc"), True, owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager.allocate_external_computed_blocks",
-               _scoped_alloc, True, owner=_RID),
-        Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range", _scoped_alloc, True,
-               owner=_RID),
+               _owner_scoped(_RID, "alloc"), True, owner=_RID),
+        Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
+               _owner_scoped(_RID, "alloc"), True, owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager.free", _manager_free, True),
         Target(_STM, "SingleTypeKVCacheManager.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
-        Target(_KVM, "KVCacheManager.allocate_slots", _kvm_request_scoped("alloc"),
+        Target(_KVM, "KVCacheManager.allocate_slots", _owner_scoped(_REQUEST, "alloc"),
                owner=_REQUEST),
-        Target(_KVM, "KVCacheManager.free", _kvm_request_scoped("free"), owner=_REQUEST),
+        Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),
