@@ -17,7 +17,7 @@ costs one digest per field per new full block, never one per token per hit.
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from .. import kinds
 from ..report import Violation
@@ -50,15 +50,6 @@ def text(value) -> bytes:
     return b"\x00" if value is None else repr(value).encode()
 
 
-def _token_step(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Token chain link: CPython's tuple hash over (parent, block tokens),
-    64 bits.  Deterministic for ints (no hash randomisation), computed in C
-    (a BLAKE2b link cost 4x more and this runs for every cached block and
-    every prefix hit); an accidental collision is a 2**-64 event."""
-    return (hash((parent, tuple(tokens))) & _MASK64).to_bytes(8, "little")
-
-
-_MASK64 = (1 << 64) - 1
 
 
 def _chain_step(tag: str, parent: bytes, part: bytes) -> bytes:
@@ -66,63 +57,115 @@ def _chain_step(tag: str, parent: bytes, part: bytes) -> bytes:
 
 
 class RequestIdentity:
-    """The per-block identity chain of one request (consumer or producer)."""
+    """The per-block identity chain of one request (consumer or producer).
+
+    ``static``: the digests of the inputs that are the same for every block
+    of the request (LoRA, cache_salt, KV dtype), one shared tuple per
+    distinct combination, so most comparisons are an identity check."""
 
     __slots__ = ("static", "tok", "mm", "emb")
 
-    def __init__(self, lora: bytes, salt: bytes, weights: bytes, dtype: bytes):
-        self.static = (lora, salt, weights, dtype)
-        self.tok: list[bytes] = []
+    def __init__(self, static: tuple[bytes, bytes, bytes]):
+        self.static = static
+        self.tok: list[int] = []
         self.mm: list[bytes] = []
         self.emb: list[bytes] = []
 
-    def extend(self, upto: int, tokens: Callable[[int], Sequence[int]],
+    def extend(self, upto: int, tokens: Sequence[int], bs: int,
                mm: Callable[[int], bytes] | None, emb: Callable[[int], bytes] | None) -> None:
-        """Make sure blocks [0, upto) are computed.  ``mm``/``emb`` None: the
-        request has no multimodal input / prompt embeddings.  A chain stays
-        empty (``b""``) until its first non-empty block, so a request whose
-        images start later agrees with a text-only one on the blocks before."""
-        tok, mms, embs = self.tok, self.mm, self.emb
-        for k in range(len(tok), upto):
-            tok.append(_token_step(tok[k - 1] if k else _EMPTY, tokens(k)))
-            mms.append(_chain_step("mm", mms[k - 1] if k else _EMPTY, mm(k) if mm else _EMPTY))
-            embs.append(_chain_step("emb", embs[k - 1] if k else _EMPTY,
-                                    emb(k) if emb else _EMPTY))
+        """Make sure blocks [0, upto) are computed, block ``k`` being
+        ``tokens[k * bs:(k + 1) * bs]``.
 
-    def fields(self, k: int) -> tuple[bytes, ...]:
-        lora, salt, weights, dtype = self.static
-        return (self.tok[k], lora, salt, self.mm[k], self.emb[k], weights, dtype)
+        Token link: CPython's tuple hash over (parent link, block tokens),
+        kept as a signed 64-bit int.  Deterministic for ints (no hash
+        randomisation) and computed in C: a BLAKE2b link cost 4x more, and
+        this runs for every cached block and every prefix hit; an accidental
+        collision is a 2**-64 event.
+
+        ``mm``/``emb`` None: the request has no multimodal input / prompt
+        embeddings, and its chains are empty (``b""``) at no cost.  A chain
+        stays empty until its first non-empty block, so a request whose
+        images start later agrees with a text-only one on the blocks before."""
+        tok = self.tok
+        start = len(tok)
+        if start >= upto:
+            return
+        parent = tok[-1] if tok else 0
+        for k in range(start, upto):
+            parent = hash((parent, tuple(tokens[k * bs:(k + 1) * bs])))
+            tok.append(parent)
+        for chain, part, tag in ((self.mm, mm, "mm"), (self.emb, emb, "emb")):
+            if part is None:
+                chain.extend([_EMPTY] * (upto - start))
+                continue
+            for k in range(start, upto):
+                chain.append(_chain_step(tag, chain[k - 1] if k else _EMPTY, part(k)))
+
+    def fields(self, k: int, weights: bytes) -> tuple[bytes, ...]:
+        """Block ``k``'s digests in :data:`FIELDS` order."""
+        lora, salt, dtype = self.static
+        return (self.tok[k].to_bytes(8, "little", signed=True), lora, salt, self.mm[k], self.emb[k],
+                weights, dtype)
+
+    def same(self, k: int, other: "RequestIdentity", i: int) -> bool:
+        """Block ``k`` of this chain has the inputs of block ``i`` of ``other``
+        (the weights epoch is compared by the caller)."""
+        return (self.tok[k] == other.tok[i]
+                and (self.static is other.static or self.static == other.static)
+                and self.mm[k] == other.mm[i] and self.emb[k] == other.emb[i])
 
 
 class IdentityAudit:
+    """Producer identity per cached block, compared with each consumer's.
+
+    A producer is recorded as a reference to its request's chain and the
+    block's index in it (plus the weights digest of the moment): no per-block
+    tuple is built when a block is cached, and the field digests are spelled
+    out only for a report."""
+
     def __init__(self, emit: Callable[[Violation], None], step: Callable[[], int] = lambda: 0):
         self.emit = emit
         self.step = step
-        #: block -> (engine cache key, producer, field digests)
-        self.producers: dict[int, tuple[bytes, str, tuple[bytes, ...]]] = {}
+        #: block -> (engine cache key, producer, producer chain, index in it,
+        #: weights digest when cached)
+        self.producers: dict[int, tuple[bytes, str, RequestIdentity, int, bytes]] = {}
         self.checked = 0
 
-    def on_cached(self, block: int, key: bytes, producer: str, fields: tuple) -> None:
-        known = self.producers.get(block)
-        if known is None or known[0] != key:
-            self.producers[block] = (key, producer, fields)
+    def on_cached(self, producer: str, ident: RequestIdentity, weights: bytes,
+                  blocks: Iterable[tuple[int, int, bytes]]) -> None:
+        """``producer`` cached ``blocks`` = (index in its chain, block, engine
+        key); a block keeps its first producer while its key is unchanged."""
+        producers = self.producers
+        for k, block, key in blocks:
+            known = producers.get(block)
+            if known is None or known[0] != key:
+                producers[block] = (key, producer, ident, k, weights)
 
-    def on_hit(self, block: int, key: bytes | None, consumer: str, fields: tuple,
-               index: int) -> None:
-        known = self.producers.get(block)
-        if known is None or key is None or known[0] != key:
-            return  # cached on a path kvsan did not see: nothing to compare
-        self.checked += 1
-        if known[2] == fields:
-            return
-        differ = [f for f, a, b in zip(FIELDS, known[2], fields) if a != b]
+    def on_hits(self, consumer: str, ident: RequestIdentity, weights: bytes,
+                blocks: Iterable[tuple[int, int, bytes | None]]) -> None:
+        """``consumer`` was served ``blocks`` = (index in its chain, block,
+        engine key) from the prefix cache."""
+        producers = self.producers
+        for i, block, key in blocks:
+            known = producers.get(block)
+            if known is None or key is None or known[0] != key:
+                continue  # cached on a path kvsan did not see: nothing to compare
+            self.checked += 1
+            if not ((known[4] is weights or known[4] == weights)
+                    and known[2].same(known[3], ident, i)):
+                self._mismatch(block, key, consumer, ident, i, weights, known)
+
+    def _mismatch(self, block, key, consumer, ident, i, weights, known) -> None:
+        _, producer, pident, k, pweights = known
+        theirs, ours = pident.fields(k, pweights), ident.fields(i, weights)
+        differ = [f for f, a, b in zip(FIELDS, theirs, ours) if a != b]
         self.emit(Violation(
             kind=kinds.CACHE_KEY_MISMATCH,
-            message=(f"{consumer} was served block {block} (prefix block {index}) cached by "
-                     f"{known[1]}, but their inputs differ in: {', '.join(differ)}"),
-            blocks=[block], owners=sorted({consumer, known[1]}), actor=consumer,
+            message=(f"{consumer} was served block {block} (prefix block {i}) cached by "
+                     f"{producer}, but their inputs differ in: {', '.join(differ)}"),
+            blocks=[block], owners=sorted({consumer, producer}), actor=consumer,
             step=self.step(), site="identity",
-            details=[{"block": block, "index": index, "fields": differ,
+            details=[{"block": block, "index": i, "fields": differ,
                       "engine_key": key.hex()[:16],
-                      "producer": {f: d.hex()[:16] for f, d in zip(FIELDS, known[2])},
-                      "consumer": {f: d.hex()[:16] for f, d in zip(FIELDS, fields)}}]))
+                      "producer": {f: d.hex()[:16] for f, d in zip(FIELDS, theirs)},
+                      "consumer": {f: d.hex()[:16] for f, d in zip(FIELDS, ours)}}]))

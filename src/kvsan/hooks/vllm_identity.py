@@ -46,9 +46,15 @@ def _weights() -> bytes:
 _weights_memo: list = [None, b""]
 
 
-#: one-entry cache in front of the two weak dictionaries: [runtime, weak
-#: ref to pool, audit] (a WeakKeyDictionary lookup makes a weak reference)
-_LAST: list = [None, None, None]
+#: pool -> the ``requests`` dict (request id -> Request) of the scheduler
+#: that allocates from it, so a prefix hit finds its Request with a dict
+#: lookup instead of reading the caller's frame locals
+_requests_of: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+#: one-entry cache in front of the weak dictionaries: [runtime, weak ref to
+#: pool, audit, requests dict or None] (a WeakKeyDictionary lookup makes a
+#: weak reference)
+_LAST: list = [None, None, None, None]
 
 
 def _audit(rt, pool) -> IdentityAudit | None:
@@ -60,8 +66,18 @@ def _audit(rt, pool) -> IdentityAudit | None:
     a = _audits.get(pool)
     if a is None:
         a = _audits[pool] = IdentityAudit(rt.reporter.emit, rt.get_step)
-    _LAST[:] = [rt, weakref.ref(pool), a]
+    _LAST[:] = [rt, weakref.ref(pool), a, _requests_of.get(pool)]
     return a
+
+
+def _request(rid: str, caller):
+    """The engine's Request ``rid``: from its scheduler's table when kvsan
+    saw the scheduler being built, else from the calling stack."""
+    reqs = _LAST[3]
+    request = reqs.get(rid) if reqs is not None else None
+    if request is None:
+        request = request_on_stack(caller, rid)
+    return request
 
 
 #: (lora, cache_salt, dtype) -> their digests: most requests share them, so
@@ -70,7 +86,9 @@ _static_memo: dict = {}
 _STATIC_MEMO_MAX = 4096
 
 
-def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes, bytes]:
+def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes]:
+    """(LoRA, cache_salt, KV dtype) digests, one shared tuple per distinct
+    combination (compared by identity first)."""
     key = (lora, salt, dtype)
     out = _static_memo.get(key)
     if out is None:
@@ -78,7 +96,7 @@ def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes, bytes]:
             _static_memo.clear()
         out = _static_memo[key] = (
             digest("lora", *((text(x) for x in lora) if lora else (b"",))),
-            digest("salt", text(salt)), b"", digest("dtype", text(dtype)))
+            digest("salt", text(salt)), digest("dtype", text(dtype)))
     return out
 
 
@@ -88,28 +106,38 @@ def _chain(request, bs: int, upto: int) -> RequestIdentity:
         lr = request.lora_request
         lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
                 if lr else None)
-        ident = RequestIdentity(*_static_digests(lora, request.cache_salt, _state["dtype"]))
+        ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]))
         _chains[request] = ident
     if len(ident.tok) < upto:
-        tokens = request.all_token_ids
-        feats = [(f.identifier, f.mm_position.offset, f.mm_position.length)
-                 for f in (request.mm_features or ())]
-        embeds = request.prompt_embeds
-
-        def mm(k):
-            lo, hi = k * bs, (k + 1) * bs
-            return b"|".join(text((ident_, off - lo)) for ident_, off, n in feats
-                             if off < hi and off + n > lo)
-
-        def emb(k):
-            if embeds is None or k * bs >= len(embeds):
-                return b""
-            part = embeds[k * bs:(k + 1) * bs].detach().cpu().contiguous()
-            return hashlib_digest(part)
-
-        ident.extend(upto, lambda k: tokens[k * bs:(k + 1) * bs], mm if feats else None,
-                     None if embeds is None else emb)
+        # the list behind vLLM's read-only view: slicing it is a C call
+        tokens = getattr(request, "_all_token_ids", None)
+        if not isinstance(tokens, list):
+            tokens = request.all_token_ids
+        mm_features, embeds = request.mm_features, request.prompt_embeds
+        ident.extend(upto, tokens, bs, _mm_parts(mm_features, bs) if mm_features else None,
+                     None if embeds is None else _embed_parts(embeds, bs))
     return ident
+
+
+def _mm_parts(mm_features, bs: int):
+    """Block ``k`` -> the multimodal items overlapping it (identifier and
+    offset relative to the block)."""
+    feats = [(f.identifier, f.mm_position.offset, f.mm_position.length) for f in mm_features]
+
+    def mm(k):
+        lo, hi = k * bs, (k + 1) * bs
+        return b"|".join(text((ident_, off - lo)) for ident_, off, n in feats
+                         if off < hi and off + n > lo)
+    return mm
+
+
+def _embed_parts(embeds, bs: int):
+    """Block ``k`` -> digest of its prompt embeddings."""
+    def emb(k):
+        if k * bs >= len(embeds):
+            return b""
+        return hashlib_digest(embeds[k * bs:(k + 1) * bs].detach().cpu().contiguous())
+    return emb
 
 
 def hashlib_digest(t) -> bytes:
@@ -120,27 +148,21 @@ def hashlib_digest(t) -> bytes:
     return digest("embeds", t.numpy().tobytes())
 
 
-def _fields(ident: RequestIdentity, k: int) -> tuple:
-    tok, lora, salt, mm, emb, _, dtype = ident.fields(k)
-    return (tok, lora, salt, mm, emb, _weights(), dtype)
-
-
 def _cache_full_blocks(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt.get()
     audit = _audit(rt, instance)
     if audit is not None:
         def note():
-            v = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
+            v = kwargs if not args else bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
             request, blocks = v["request"], v["blocks"]
             lo, hi = v["num_cached_blocks"], v["num_full_blocks"]
+            if lo >= hi:
+                return
             ident = _chain(request, instance.hash_block_size, hi)
-            for i in range(lo, hi):
-                b = blocks[i]
-                if b.is_null or b.block_hash is None:
-                    continue
-                audit.on_cached(b.block_id, bytes(b.block_hash), request.request_id,
-                                _fields(ident, i))
+            audit.on_cached(request.request_id, ident, _weights(),
+                            [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks[lo:hi], lo)
+                             if not b.is_null and b.block_hash is not None])
         _guard(rt, "identity.cache", note)
     return ret
 
@@ -157,14 +179,14 @@ def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
             blocks = hits[0] if hits else ()
             if not blocks:
                 return
-            request = request_on_stack(caller, v["request_id"])
+            rid = v["request_id"]
+            request = _request(rid, caller)
             if request is None:
-                raise LookupError(f"no Request {v['request_id']!r} on the calling stack")
+                raise LookupError(f"no Request {rid!r} on the calling stack")
             ident = _chain(request, instance.block_pool.hash_block_size, len(blocks))
-            for i, b in enumerate(blocks):
-                if not b.is_null:
-                    audit.on_hit(b.block_id, None if b.block_hash is None else bytes(b.block_hash),
-                                 request.request_id, _fields(ident, i), i)
+            audit.on_hits(rid, ident, _weights(),
+                          [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
+                           if not b.is_null])
         _guard(rt, "identity.hit", check)
     return wrapped(*args, **kwargs)
 
@@ -192,7 +214,9 @@ def _scheduler_init(wrapped, instance, args, kwargs):
     try:
         _state["model"] = instance.vllm_config.model_config.model
         _state["dtype"] = instance.cache_config.cache_dtype
-    except AttributeError:
+        _requests_of[instance.kv_cache_manager.block_pool] = instance.requests
+        _LAST[0] = None  # a new scheduler: look the pool up again
+    except (AttributeError, TypeError):
         pass
     return ret
 
