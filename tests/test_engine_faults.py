@@ -5,7 +5,7 @@ zero violations."""
 import pytest
 
 from conftest import as_owner, kinds_of, only
-from vllm_objects import make_manager, make_request, schedule
+from vllm_objects import make_hybrid_manager, make_manager, make_request, schedule
 
 pytestmark = pytest.mark.engine
 
@@ -213,6 +213,70 @@ def test_cow_partial_hit_is_legal(rt):
     finish(m, a)
     finish(m, b)
     assert kinds_of(rt) == []
+
+
+def _mamba_running_cow(m):
+    """A's prompt (101 tokens) is prefilled in two chunks; the first ends at
+    its checkpoint boundary (96, inside a 64-token block), which caches the
+    Mamba state block as a partial tail.  On A's next allocation vLLM's
+    "align" path copies that state for the running request: the cache entry
+    moves to a fresh block outside A's table, and the source block gets an
+    extra reference taken directly.  Returns (A, source, copy, retained)."""
+    a = make_request(list(range(1, 102)), "A")
+    computed, hit = m.get_computed_blocks(a)[:2]
+    assert m.allocate_slots(a, 96, hit, computed) is not None
+    a.num_computed_tokens = 96
+    mamba = m.coordinator.single_type_managers[1]
+    assert "A" in mamba._partial_hit_reqs
+    m.take_kv_cache_block_copies()
+    m.new_step_starts()
+    assert m.allocate_slots(a, 5) is not None
+    a.num_computed_tokens = 101
+    copies, retained = m.take_kv_cache_block_copies()
+    assert len(copies) == 1
+    src, cow = copies[0].src_block_id, copies[0].dst_block_id
+    assert src in m.get_block_ids("A")[1] and cow not in m.get_block_ids("A")[1]
+    assert m.block_pool.blocks[src].ref_cnt == 2  # A + the copy's retention
+    return a, src, cow, retained
+
+
+def test_mamba_align_cow_of_a_running_request_is_legal(rt):
+    """The running-request copy-on-write of Mamba "align" mode: the retained
+    source and copy are released by the scheduler, then a sibling is served
+    the moved partial tail; zero violations, and the full audit agrees."""
+    from kvsan.hooks.vllm_allocator import pool_view
+
+    m = make_hybrid_manager(80)
+    a, src, cow, retained = _mamba_running_cow(m)
+    ck = rt.checkers[m.block_pool]
+    assert sorted(ck.shadow.owners(src)) == ["A", "cow:A"]
+    assert ck.shadow.owners(cow) == ["cow:A"]
+    m.block_pool.free_blocks(retained)  # what Scheduler._free_cow_retained_blocks does
+    m.new_step_starts()
+    b = make_request(list(range(1, 102)) + [7, 8, 9], "B")
+    computed, hit = m.get_computed_blocks(b)[:2]
+    assert hit == 96  # served A's moved partial tail
+    assert m.allocate_slots(b, b.num_tokens - hit, hit, computed) is not None
+    m.block_pool.free_blocks(m.take_kv_cache_block_copies()[1])
+    finish(m, a)
+    finish(m, b)
+    assert kinds_of(rt) == []
+    refs, linked = pool_view(m.block_pool.blocks)
+    assert ck.audit(refs, linked, set()) == 0
+
+
+def test_mamba_align_cow_retention_released_twice(rt):
+    """The scheduler releases a running request's copy-on-write retention
+    twice (a deferred free drained twice): the second release takes A's own
+    reference on its Mamba state block, which goes back to the free queue
+    while A still reads it."""
+    m = make_hybrid_manager(80)
+    a, src, cow, retained = _mamba_running_cow(m)
+    m.block_pool.free_blocks(retained)
+    assert kinds_of(rt) == []
+    m.block_pool.free_blocks([m.block_pool.blocks[src]])
+    v = only(rt, "free_with_live_owners")
+    assert v[0].blocks == [src] and v[0].owners == ["A"]
 
 
 def test_raise_mode_raises_at_the_faulty_call(rt):

@@ -15,6 +15,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
 )
 from vllm.v1.request import Request
 
@@ -42,6 +43,21 @@ def make_manager(num_blocks: int = 16, caching: bool = True) -> KVCacheManager:
         hash_block_size=BLOCK,
         enable_caching=caching,
     )
+
+
+def make_hybrid_manager(num_blocks: int = 64, block: int = 64) -> KVCacheManager:
+    """A hybrid model's manager: a full-attention group and a Mamba group in
+    "align" mode (the prefix-cache mode for Mamba state), both with
+    ``block``-token blocks over 16-token hashes, so a prompt boundary can
+    fall inside a block (a partial-tail cache entry)."""
+    attn = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    mamba = MambaSpec(block_size=block, shapes=((1,),), dtypes=(torch.float32,),
+                      mamba_cache_mode="align")
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["attn"], attn),
+                                         KVCacheGroupSpec(["mamba"], mamba)])
+    return KVCacheManager(cfg, max_model_len=8192, scheduler_block_size=block,
+                          hash_block_size=BLOCK, enable_caching=True)
 
 
 def make_request(tokens: list[int], rid: str | None = None) -> Request:

@@ -357,6 +357,38 @@ def _apply_cow(wrapped, instance, args, kwargs):
     return ret
 
 
+def _mamba_allocate_new_blocks(wrapped, instance, args, kwargs):
+    """Mamba "align" copy-on-write for a *running* request: vLLM moves the
+    partial-tail cache entry from the request's state block (the source,
+    which the request keeps) to a fresh block that stays outside the block
+    table, and takes an extra reference on the source directly
+    (``source_block.ref_cnt += 1``).  Both are released later by the
+    scheduler once the worker has run the copy.  Modelled as: the fresh
+    block passes from the request to ``cow:<req>``, which also retains the
+    source.  (A new request's partial hit goes through ``_apply_cow``.)"""
+    pending = getattr(instance, "_pending_cow_copies", None)
+    n0 = len(pending) if isinstance(pending, list) else 0
+    ret = wrapped(*args, **kwargs)
+    after = getattr(instance, "_pending_cow_copies", None)
+    if after is not pending or len(after) <= n0:
+        return ret
+    rt = _rt.get()
+    ck = rt.checkers.get(instance.block_pool) if rt is not None else None
+    if ck is not None:
+        rid = args[0] if args else kwargs["request_id"]
+        site = _site()
+
+        def note():
+            table = instance.req_to_blocks.get(rid, ())
+            for src, cow in after[n0:]:
+                if any(b is cow for b in table):
+                    continue  # _apply_cow: the copy target is in the table
+                ck.on_transfer([cow.block_id], rid, f"cow:{rid}", site)
+                ck.on_retain(src.block_id, src.ref_cnt, f"cow:{rid}", site)
+        _guard(rt, "mamba_cow", note)
+    return ret
+
+
 # ---------------------------------------------------------------- Scheduler
 def _scheduler_checker(rt, sched):
     try:
@@ -517,6 +549,7 @@ def targets() -> list[Target]:
         Target(_STM, "SingleTypeKVCacheManager.free", _manager_free, True),
         Target(_STM, "SingleTypeKVCacheManager.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
+        Target(_STM, "MambaManager.allocate_new_blocks", _mamba_allocate_new_blocks),
         Target(_KVM, "KVCacheManager.allocate_slots", _owner_scoped(_REQUEST, "alloc"),
                owner=_REQUEST),
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
