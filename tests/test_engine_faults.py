@@ -279,6 +279,22 @@ def test_mamba_align_cow_retention_released_twice(rt):
     assert v[0].blocks == [src] and v[0].owners == ["A"]
 
 
+def test_cache_entry_dropped_directly_while_owned_leaves_as_free(rt):
+    """vLLM's Mamba "align" path drops a transient checkpoint's cache entry
+    with ``BlockPool._maybe_evict_cached_block`` while the block is owned;
+    when it is released it is free, not a reclaimable cache entry."""
+    m = make_manager(12)
+    a = make_request(PREFIX + [1000], "A")
+    schedule(m, a)
+    block = m.block_pool.blocks[m.get_block_ids("A")[0][0]]
+    assert m.block_pool._maybe_evict_cached_block(block)  # hash dropped, A still owns it
+    finish(m, a)
+    ck = rt.checkers[m.block_pool]
+    assert ck.shadow.state(block.block_id) == "free"
+    assert ck.shadow.stats()["cached_evictable"] == 2  # A's two other full blocks
+    assert kinds_of(rt) == []
+
+
 def test_raise_mode_raises_at_the_faulty_call(rt):
     from kvsan import KVSanViolation
 

@@ -206,8 +206,18 @@ def _make_release(arg_name: str):
             if (b.pool is None or b.pool is instance) and not b.is_null and b.block_id not in pre:
                 pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
         ret = wrapped(blocks, *rest, **kw)
-        rt.journal.freed.extend([b.block_id for b in blocks if b.ref_cnt == 0
-                                 and b.block_hash is None and b.block_id in pre])
+        freed = [b.block_id for b in blocks if b.ref_cnt == 0
+                 and b.block_hash is None and b.block_id in pre]
+        if freed:
+            rt.journal.freed.extend(freed)
+            cached = ck.shadow.cached
+            stale = [b for b in freed if cached[b]]
+            if stale:
+                # the engine dropped their cache entry while they were owned
+                # without going through a hooked call (Mamba "align" drops a
+                # transient checkpoint's hash directly): they leave as free
+                rt.journal.uncached.extend(stale)
+                ck.on_uncached(stale)
         site, owner = _context(rt)
         _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre), owner, site)
         return ret
