@@ -366,6 +366,82 @@ def test_randomized_clean_sequences(rt, seed):
                                  "leaked": 0, "tracked_requests": 0}
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_randomized_clean_hybrid_mamba_sequences(rt, seed):
+    """A hybrid attention + Mamba "align" manager under random chunked
+    prefills (a third of them stopping at the prompt's checkpoint boundary,
+    which makes the copy-on-write paths run), decodes, prefix hits,
+    preemptions, finishes and evictions, with the copy-on-write retentions
+    released every step as the scheduler does: zero violations, and the full
+    audit agrees."""
+    import random
+
+    from vllm.v1.request import RequestStatus
+
+    from kvsan.hooks.vllm_allocator import pool_view
+
+    rng = random.Random(seed)
+    m = make_hybrid_manager(rng.choice([40, 80]), rng.choice([32, 64]))
+    ck = rt.checkers[m.block_pool]
+    prefixes = [[rng.randrange(1, 400) for _ in range(rng.randint(8, 150))] for _ in range(3)]
+    live, waiting, copies = {}, [], 0
+
+    def chunk(r, done):
+        """Tokens to schedule for ``r`` after ``done``: all, a random part,
+        or up to its checkpoint boundary (vLLM ends a chunk there too)."""
+        left, pick = r.num_tokens - done, rng.random()
+        boundary = (r.num_tokens - 1) // 16 * 16 - done
+        if pick < 0.33 and boundary > 0:
+            return boundary
+        return left if pick < 0.66 else rng.randint(1, left)
+
+    for _ in range(150):
+        m.new_step_starts()
+        for _ in range(rng.randint(1, 3)):
+            op = rng.random()
+            if op < 0.35 or not live:  # a new (or preempted) request
+                toks = rng.choice(prefixes) + [rng.randrange(1, 400)
+                                               for _ in range(rng.randint(1, 60))]
+                r = waiting.pop() if waiting and rng.random() < 0.5 else make_request(toks)
+                computed, hit = m.get_computed_blocks(r)[:2]
+                if hit >= r.num_tokens:
+                    continue
+                n = chunk(r, hit)
+                if m.allocate_slots(r, n, hit, computed) is not None:
+                    r.num_computed_tokens = hit + n
+                    live[r.request_id] = r
+            elif op < 0.65:  # next prefill chunk, or decode one token
+                r = live[rng.choice(list(live))]
+                if r.num_computed_tokens < r.num_tokens:
+                    n = chunk(r, r.num_computed_tokens)
+                else:
+                    r.append_output_token_ids(rng.randrange(1, 400))
+                    n = 1
+                if m.allocate_slots(r, n) is not None:
+                    r.num_computed_tokens += n
+            elif op < 0.75:
+                r = live.pop(rng.choice(list(live)))
+                m.free(r)
+                ck.on_request_released(r.request_id, "preempted", "t", False)
+                r.num_computed_tokens = 0
+                waiting.append(r)
+            elif op < 0.95:
+                r = live.pop(rng.choice(list(live)))
+                r.status = RequestStatus.FINISHED_STOPPED
+                m.free(r)
+                ck.on_request_released(r.request_id, "finished", "t")
+            else:
+                m.evict_blocks({rng.randrange(1, m.block_pool.num_gpu_blocks)})
+        _, retained = m.take_kv_cache_block_copies()
+        copies += len(retained) // 2
+        m.block_pool.free_blocks(retained)
+    for r in live.values():
+        m.free(r)
+    assert copies > 0  # the copy-on-write paths ran
+    refs, linked = pool_view(m.block_pool.blocks)
+    assert ck.audit(refs, linked, set()) == 0 and kinds_of(rt) == []
+
+
 def test_instrumenting_twice_wraps_each_method_once(rt):
     """``instrument()`` is idempotent per hook, also for hooks an adapter
     makes with a factory (new closures on every ``targets()`` call), while a
