@@ -71,6 +71,8 @@ class Runtime:
         self.journal = StepJournal()
         #: seconds spent in kvsan's checks (exported as kvsan_overhead_seconds_total)
         self.overhead_s = 0.0
+        #: monotonic time of the next per-step metrics refresh
+        self.metrics_due = 0.0
         #: the part of ``overhead_s`` spent in the worker-side (device) hooks
         self.device_s = 0.0
 

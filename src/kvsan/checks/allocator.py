@@ -93,31 +93,35 @@ class AllocatorChecker:
             )
 
     # -- events -------------------------------------------------------------
-    def on_allocate(self, obs: Sequence[tuple[int, int]], owner: str, site: str) -> None:
-        """Fresh blocks handed to ``owner``.  ``obs`` = (block, ref after)."""
+    def on_allocate(self, obs: Sequence[tuple[int, int]], owner: str, site: str) -> list[int]:
+        """Fresh blocks handed to ``owner``.  ``obs`` = (block, ref after).
+        Returns the blocks that were cached (evicted to be reused)."""
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
         counters = self.counters
         counters["allocated"] += len(obs)
         null, nown, cached = sh.null, sh.nown, sh.cached
-        fresh = []
+        fresh, evicted = [], []
         for b, ref in obs:
             if b in null:
                 continue
             fresh.append(b)
             if cached[b]:
-                counters["evicted"] += 1
+                evicted.append(b)
             if nown[b]:
                 self._void_prior_owners(b, owner, site)
             if cached[b]:
                 sh.set_uncached(b)
+        if evicted:
+            counters["evicted"] += len(evicted)
         sh.acquire(fresh, owner, step, sid)
         mism = self._mismatched
         for b, ref in obs:
             if ref != nown[b] or (mism and b in mism):
                 if b not in null:
                     self._check_refcount(b, ref, owner, site)
+        return evicted
 
     def _void_prior_owners(self, b: int, owner: str, site: str) -> None:
         """A block handed to ``owner`` still had owners: a violation if any

@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import weakref
 from array import array
+from time import monotonic as _monotonic
 from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
@@ -78,17 +79,19 @@ def owner_here(rt) -> str | None:
     return ctx[-1][0] if ctx else owner_from_frames(sys._getframe(1))
 
 
-def _guard(rt, where: str, fn, *args) -> None:
-    """Run a check; kvsan's own exceptions are counted, violations raised
-    only in raise/abort modes (the reporter decides).  The time spent is
-    added to ``rt.overhead_s`` (``kvsan_overhead_seconds_total``)."""
+def _guard(rt, where: str, fn, *args):
+    """Run a check and return its result (None if it failed); kvsan's own
+    exceptions are counted, violations raised only in raise/abort modes (the
+    reporter decides).  The time spent is added to ``rt.overhead_s``
+    (``kvsan_overhead_seconds_total``)."""
     t0 = _perf_counter()
     try:
-        fn(*args)
+        return fn(*args)
     except KVSanViolation:
         raise
     except Exception as e:  # noqa: BLE001 - report first, never mask
         rt.reporter.internal_error(where, e)
+        return None
     finally:
         rt.overhead_s += _perf_counter() - t0
 
@@ -138,10 +141,10 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
         if owner is None:
             owner = f"anon:{site}"
             ck.shadow.nonrequest.add(owner)
-        cached = ck.shadow.cached
-        rt.journal.uncached.extend(b.block_id for b in ret if cached[b.block_id])
-        _guard(rt, "get_new_blocks", ck.on_allocate,
-               [(b.block_id, b.ref_cnt) for b in ret], owner, site)
+        evicted = _guard(rt, "get_new_blocks", ck.on_allocate,
+                         [(b.block_id, b.ref_cnt) for b in ret], owner, site)
+        if evicted:
+            rt.journal.uncached.extend(evicted)
     return ret
 
 
@@ -434,6 +437,12 @@ def audit_scheduler(rt, sched, site="kvsan.audit") -> int:
     return found
 
 
+#: the pool gauges and the step / overhead counters are refreshed at most
+#: this often while traffic flows (and always when the engine goes idle):
+#: Prometheus scrapes every few seconds, the scheduler steps every few ms
+METRICS_PERIOD_S = 0.25
+
+
 def _schedule(wrapped, instance, args, kwargs):
     rt = _rt.get()
     if rt is None:
@@ -453,8 +462,11 @@ def _schedule(wrapped, instance, args, kwargs):
             if rt.config.audit_every and rt.step % rt.config.audit_every == 0:
                 audit_scheduler(rt, instance)
             if rt.metrics is not None:
-                rt.metrics.update_pool(ck.shadow.stats())
-                rt.metrics.flush_counters(rt.overhead_s, rt.step)
+                now = _monotonic()
+                if now >= rt.metrics_due:  # gauges are scraped, not read per step
+                    rt.metrics_due = now + METRICS_PERIOD_S
+                    rt.metrics.update_pool(ck.shadow.stats())
+                    rt.metrics.flush_counters(rt.overhead_s, rt.step)
         _guard(rt, "schedule", after)
     return ret
 
