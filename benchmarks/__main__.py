@@ -36,7 +36,7 @@ def main(argv=None) -> int:
         ap.error(f"unknown part(s) {bad}; choose from {PARTS}")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     q = args.quick
-    out = [f"## kvsan overhead benchmarks\n",
+    out = ["## kvsan overhead benchmarks\n",
            f"{datetime.date.today().isoformat()}, {machine()}"
            f"{' (quick sizes)' if q else ''}\n"]
     for part in parts:

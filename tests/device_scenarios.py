@@ -77,7 +77,7 @@ def poison():
 def quarantine():
     """KVSAN_QUARANTINE=3: a block freed under its reader is not handed to the
     next allocation; clean traffic stays clean."""
-    from test_device import add, block_ids, core, drain, step
+    from test_device import add, block_ids, core, step
 
     from kvsan import traffic
 

@@ -7,7 +7,6 @@ The violations are real: a double release on vLLM's real ``BlockPool`` /
 """
 
 import os
-import sys
 
 import pytest
 

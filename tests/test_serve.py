@@ -386,7 +386,7 @@ def test_injected_fault_raises_the_violation_counter(server, prometheus):
         m = server.metrics()
         return (metric(m, "kvsan_violations_total", kind="leaked_blocks", role="engine")
                 >= before + len(plan) and m)
-    m = wait_until(leaked, 120, "kvsan_violations_total{kind=leaked_blocks} to rise")
+    wait_until(leaked, 120, "kvsan_violations_total{kind=leaked_blocks} to rise")
     wait_until(lambda: metric(server.metrics(), "kvsan_leaked_blocks", role="engine") > 0,
                60, "the leaked-blocks gauge")
 

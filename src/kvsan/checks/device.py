@@ -350,9 +350,9 @@ class DeviceChecker:
         writer = torch.repeat_interleave(ids, counts)
         valid = slots >= 0
         blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
-        # O(tokens written), not O(pool): the pool may have a million blocks
-        hit = blk[valid]
-        self.fill.index_add_(0, hit, torch.ones_like(hit, dtype=torch.int32))
+        # O(tokens written), not O(pool): the pool may have a million blocks;
+        # padding slots (-1) add 0, so no boolean mask (a device sync on GPU)
+        self.fill.index_add_(0, blk, valid.to(torch.int32))
         self.check_hits_written()
         bad = valid & ((self.lut[blk] != writer) | self.sealed_mask[blk])
         if not bool(bad.any()):
