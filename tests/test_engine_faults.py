@@ -366,14 +366,15 @@ def test_randomized_clean_sequences(rt, seed):
                                  "leaked": 0, "tracked_requests": 0}
 
 
-@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("seed", range(9))
 def test_randomized_clean_hybrid_mamba_sequences(rt, seed):
     """A hybrid attention + Mamba "align" manager under random chunked
     prefills (a third of them stopping at the prompt's checkpoint boundary,
     which makes the copy-on-write paths run), decodes, prefix hits,
-    preemptions, finishes and evictions, with the copy-on-write retentions
-    released every step as the scheduler does: zero violations, and the full
-    audit agrees."""
+    preemptions, finishes and evictions, with 0-2 speculative Mamba blocks
+    (relocated as a request grows) and the copy-on-write retentions released
+    every step as the scheduler does: zero violations, and the full audit
+    agrees."""
     import random
 
     from vllm.v1.request import RequestStatus
@@ -381,7 +382,7 @@ def test_randomized_clean_hybrid_mamba_sequences(rt, seed):
     from kvsan.hooks.vllm_allocator import pool_view
 
     rng = random.Random(seed)
-    m = make_hybrid_manager(rng.choice([40, 80]), rng.choice([32, 64]))
+    m = make_hybrid_manager(rng.choice([40, 80]), rng.choice([32, 64]), spec_blocks=seed % 3)
     ck = rt.checkers[m.block_pool]
     prefixes = [[rng.randrange(1, 400) for _ in range(rng.randint(8, 150))] for _ in range(3)]
     live, waiting, copies = {}, [], 0

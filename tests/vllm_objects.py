@@ -45,14 +45,17 @@ def make_manager(num_blocks: int = 16, caching: bool = True) -> KVCacheManager:
     )
 
 
-def make_hybrid_manager(num_blocks: int = 64, block: int = 64) -> KVCacheManager:
+def make_hybrid_manager(num_blocks: int = 64, block: int = 64,
+                        spec_blocks: int = 0) -> KVCacheManager:
     """A hybrid model's manager: a full-attention group and a Mamba group in
     "align" mode (the prefix-cache mode for Mamba state), both with
     ``block``-token blocks over 16-token hashes, so a prompt boundary can
-    fall inside a block (a partial-tail cache entry)."""
+    fall inside a block (a partial-tail cache entry).  ``spec_blocks``: extra
+    Mamba state blocks for speculative decoding (relocated as a request
+    grows)."""
     attn = FullAttentionSpec(block_size=block, num_kv_heads=1, head_size=1, dtype=torch.float32)
     mamba = MambaSpec(block_size=block, shapes=((1,),), dtypes=(torch.float32,),
-                      mamba_cache_mode="align")
+                      mamba_cache_mode="align", num_speculative_blocks=spec_blocks)
     cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                         kv_cache_groups=[KVCacheGroupSpec(["attn"], attn),
                                          KVCacheGroupSpec(["mamba"], mamba)])
