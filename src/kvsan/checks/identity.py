@@ -50,8 +50,6 @@ def text(value) -> bytes:
     return b"\x00" if value is None else repr(value).encode()
 
 
-
-
 def _chain_step(tag: str, parent: bytes, part: bytes) -> bytes:
     return _EMPTY if not parent and not part else digest(tag, parent, part)
 
@@ -104,8 +102,8 @@ class RequestIdentity:
     def fields(self, k: int, weights: bytes) -> tuple[bytes, ...]:
         """Block ``k``'s digests in :data:`FIELDS` order."""
         lora, salt, dtype = self.static
-        return (self.tok[k].to_bytes(8, "little", signed=True), lora, salt, self.mm[k], self.emb[k],
-                weights, dtype)
+        tok = self.tok[k].to_bytes(8, "little", signed=True)
+        return (tok, lora, salt, self.mm[k], self.emb[k], weights, dtype)
 
     def same(self, k: int, other: "RequestIdentity", i: int) -> bool:
         """Block ``k`` of this chain has the inputs of block ``i`` of ``other``

@@ -220,7 +220,7 @@ def _make_release(arg_name: str):
                 # without going through a hooked call (Mamba "align" drops a
                 # transient checkpoint's hash directly): they leave as free
                 rt.journal.uncached.extend(stale)
-                ck.on_uncached(stale)
+                _guard(rt, "uncached", ck.on_uncached, stale)
         site, owner = _context(rt)
         _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre), owner, site)
         return ret
@@ -388,10 +388,10 @@ def _mamba_allocate_new_blocks(wrapped, instance, args, kwargs):
     rt = _rt.get()
     ck = rt.checkers.get(instance.block_pool) if rt is not None else None
     if ck is not None:
-        rid = args[0] if args else kwargs["request_id"]
         site = _site()
 
         def note():
+            rid = args[0] if args else kwargs["request_id"]
             table = instance.req_to_blocks.get(rid, ())
             for src, cow in after[n0:]:
                 if any(b is cow for b in table):
