@@ -478,6 +478,26 @@ def test_dashboard_is_a_classic_importable_model():
         assert all(t["datasource"]["uid"] == "${DS_PROMETHEUS}" for t in p["targets"])
 
 
+def test_front_end_exit_waits_for_dying_processes_gauge_files(tmp_path):
+    """The front end exits last; a worker vLLM SIGKILLed a moment before may
+    not have died yet.  Its live-gauge file must still go: the exiting front
+    end keeps sweeping until the process is gone (bounded)."""
+    import subprocess
+
+    from kvsan import exporter
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.4)"])
+    try:
+        path = tmp_path / f"gauge_livesum_{child.pid}.db"
+        path.write_bytes(b"")
+        assert exporter.sweep_dead(str(tmp_path)) == []  # still alive: kept
+        assert exporter.settle(str(tmp_path), timeout=30) == [child.pid]
+        assert not path.exists()
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_exporter_ports_and_bad_values():
     from kvsan import exporter
     from kvsan.config import ConfigError

@@ -105,7 +105,34 @@ def sweep_dead(d: str) -> list[int]:
     return gone
 
 
-def _mark_dead(pid: int) -> None:
+#: how long the front end, the last process of a server to exit, waits at
+#: exit for processes that are still dying (vLLM force-kills its workers
+#: just before): their live-gauge files must go too
+SETTLE_S = 3.0
+
+
+def settle(d: str, timeout: float = SETTLE_S) -> list[int]:
+    """Sweep, then keep sweeping until no other process's live-gauge file is
+    left or ``timeout`` passes: a process SIGKILLed a moment ago may not have
+    died yet when the front end exits (seen under load).  Returns the pids
+    whose files were removed."""
+    import glob
+    import time
+
+    gone = sweep_dead(d)
+    deadline = time.monotonic() + timeout
+    me = f"_{os.getpid()}.db"
+    while time.monotonic() < deadline and any(
+            not p.endswith(me) for p in glob.glob(os.path.join(d, "gauge_live*_*.db"))):
+        time.sleep(0.05)
+        gone += sweep_dead(d)
+    return gone
+
+
+def _mark_dead(pid: int, last: bool = False) -> None:
+    """At exit: remove this process's live-gauge files and those of processes
+    that are gone (``last``: this process exits after the others, and waits
+    for those still dying, see :func:`settle`)."""
     if pid in _dead_marked or pid != os.getpid():
         return
     _dead_marked.add(pid)
@@ -116,7 +143,10 @@ def _mark_dead(pid: int) -> None:
         from prometheus_client import multiprocess
 
         multiprocess.mark_process_dead(pid, d)
-        sweep_dead(d)
+        if last:
+            settle(d)
+        else:
+            sweep_dead(d)
     except Exception:  # noqa: BLE001 - best effort at exit
         pass
 
@@ -126,11 +156,12 @@ def start(rt) -> int | None:
     pid = os.getpid()
     if multiproc_dir():
         # livesum gauges of a process that ended must stop counting
-        atexit.register(_mark_dead, pid)
+        last = rt.role == "frontend"  # the API server outlives its engine and workers
+        atexit.register(_mark_dead, pid, last)
         try:  # multiprocessing children end with os._exit: atexit never runs
             from multiprocessing import util
 
-            util.Finalize(None, _mark_dead, args=(pid,), exitpriority=0)
+            util.Finalize(None, _mark_dead, args=(pid, last), exitpriority=0)
         except Exception:  # noqa: BLE001
             pass
     base = metrics_port_from_env()
