@@ -33,6 +33,18 @@ def test_events_tiny():
     assert "allocate" in events.markdown(res)
 
 
+def test_hookcost_tiny():
+    from benchmarks import hookcost
+    from kvsan.hooks import vllm_allocator
+
+    guard = vllm_allocator._guard
+    res = hookcost.bench(n=8, steps=6)
+    assert res["hooks"]["get_new_blocks"]["calls_per_step"] > 0
+    assert res["hooks"]["owner and call-site lookup"]["us_per_call"] > 0
+    assert "timed in all" in hookcost.markdown(res)
+    assert vllm_allocator._guard is guard  # the timers are removed again
+
+
 def test_scale_tiny():
     from benchmarks import scale
 
