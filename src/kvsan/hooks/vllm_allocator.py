@@ -383,8 +383,8 @@ def _mamba_allocate_new_blocks(wrapped, instance, args, kwargs):
     n0 = len(pending) if isinstance(pending, list) else 0
     ret = wrapped(*args, **kwargs)
     after = getattr(instance, "_pending_cow_copies", None)
-    if after is not pending or len(after) <= n0:
-        return ret
+    if not isinstance(after, list) or after is not pending or len(after) <= n0:
+        return ret  # no new copy (or a manager without the queue)
     rt = _rt.get()
     ck = rt.checkers.get(instance.block_pool) if rt is not None else None
     if ck is not None:
