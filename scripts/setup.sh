@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time set-up of .venv for kvsan on a fresh machine (idempotent: re-runs
-# only when pyproject.toml changes).  Installs kvsan with the CPU engine and
+# only when pyproject.toml, setup.py or the C sources change).  Installs kvsan with the CPU engine and
 # the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,9 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
   fi
 fi
 stamp=.venv/.kvsan-setup
-want=$(sha256sum pyproject.toml | cut -c1-16)
+# re-install when the package definition or the C speed-ups change (the
+# editable install builds kvsan._frames / kvsan._shadowfast in place)
+want=$(cat pyproject.toml setup.py src/kvsan/*.c | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi

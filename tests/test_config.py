@@ -15,6 +15,7 @@ from kvsan.config import ConfigError, from_env
     ({"KVSAN": "1", "KVSAN_STRICT": "2"}, "KVSAN_STRICT"),
     ({"KVSAN": "1", "KVSAN_AUDIT_EVERY": "-3"}, "KVSAN_AUDIT_EVERY"),
     ({"KVSAN": "1", "KVSAN_REPORT": "/proc/nope/report.jsonl"}, "KVSAN_REPORT"),
+    ({"KVSAN": "1", "KVSAN_NATIVE": "fast"}, "KVSAN_NATIVE='fast' is not accepted; use 1 (on) or 0 (off)"),
 ])
 def test_bad_values_name_the_variable(env, needle):
     with pytest.raises(ConfigError) as e:
@@ -24,7 +25,8 @@ def test_bad_values_name_the_variable(env, needle):
 
 def test_defaults():
     cfg = from_env({})
-    assert not cfg.enabled and cfg.mode == "log" and cfg.report is None
+    assert not cfg.enabled and cfg.mode == "log" and cfg.report is None and cfg.native
+    assert not from_env({"KVSAN_NATIVE": "0"}).native
 
 
 def _run(code, **env):

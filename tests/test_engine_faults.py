@@ -165,6 +165,21 @@ def test_free_queue_corruption_insert_twice(rt):
     assert only(rt, "free_queue_corruption")[0].blocks == [blk.block_id]
 
 
+def test_free_queue_corruption_owner_frees_a_block_already_queued(rt):
+    """The owner's own, legal release of a block that a fault already put
+    in the free queue: inserted twice (the clean-event fast path must not
+    take it)."""
+    m = make_manager(12)
+    a = make_request(PREFIX + [1], "A")
+    schedule(m, a)
+    blk = m.block_pool.blocks[m.get_block_ids("A")[0][-1]]
+    assert blk.ref_cnt == 1 and blk.prev_free_block is None
+    m.block_pool.free_block_queue.append(blk)  # queued while A references it
+    finish(m, a)
+    v = [x for x in only(rt, "free_queue_corruption") if x.blocks == [blk.block_id]]
+    assert v and v[0].actor == "A" and "already in it" in v[0].message
+
+
 def test_free_queue_corruption_referenced_block_in_queue(rt):
     m = make_manager(12)
     a = make_request(PREFIX + [1], "A")

@@ -47,6 +47,9 @@ class Config:
     #: "pressure": released blocks are the first to be reused
     quarantine: int = 0
     pressure: bool = False
+    #: use kvsan's C speed-ups where they were built (same results; 0 runs
+    #: the pure-Python paths, e.g. to rule them out)
+    native: bool = True
 
 
 def _flag(env, name: str) -> bool:
@@ -145,4 +148,5 @@ def from_env(env=None) -> Config:
         poison=_flag(env, "KVSAN_POISON"),
         quarantine=quarantine,
         pressure=pressure,
+        native=_flag(env, "KVSAN_NATIVE") if env.get("KVSAN_NATIVE", "").strip() else True,
     )

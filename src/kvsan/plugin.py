@@ -42,6 +42,7 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
 
     rt = _rt.Runtime(cfg, role=role)
     _rt.set_runtime(rt)
+    rt.native = hooks.use_native(cfg.native)
     version = _vllm_version()
     supported = version is not None and version.startswith(vllm_allocator.SUPPORTED)
     installed, missing = [], []
@@ -72,6 +73,7 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
         pid=os.getpid(),
         role=rt.role,
         mode=cfg.mode,
+        native=rt.native,
         vllm=version,
         hooks=installed,
         missing=problems,

@@ -75,6 +75,8 @@ class Runtime:
         self.metrics_due = 0.0
         #: the part of ``overhead_s`` spent in the worker-side (device) hooks
         self.device_s = 0.0
+        #: kvsan's C speed-ups are in use in this process (set at install)
+        self.native = False
 
     def current_owner(self) -> str | None:
         return self.owner_ctx[-1][0] if self.owner_ctx else None
@@ -112,6 +114,7 @@ def _after_fork_in_child() -> None:
     child.reporter.metrics = rt.metrics
     child.hooks_installed = rt.hooks_installed
     child.hooks_missing = rt.hooks_missing
+    child.native = rt.native
     set_runtime(child)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,6 +57,9 @@ _patched: list[tuple[object, str, object, object]] = []
 #: (local name, attribute)).  Keyed by id: hashing a code object hashes its
 #: bytecode, on every frame looked at.
 OWNER_FRAMES: dict = {}
+#: the same methods for the native reader: id -> (code object, index of the
+#: local in the frame's fast locals, attribute or None)
+OWNER_SLOTS: dict = {}
 
 
 def _all_subclasses(cls):
@@ -151,6 +155,7 @@ def _register_owner(fn, spec) -> bool:
     if code is None or spec[0] not in code.co_varnames:
         return False
     OWNER_FRAMES[id(code)] = (code, spec)
+    OWNER_SLOTS[id(code)] = (code, code.co_varnames.index(spec[0]), spec[1])
     return True
 
 
@@ -177,6 +182,99 @@ def owner_from_frames(frame) -> str | None:
     return None
 
 
+#: (id of code, f_lasti) -> (code, 'file.py:function:line'): call sites are
+#: formatted once per code position.  Keyed by id: hashing a code object
+#: hashes its bytecode and constants, and ``f_lineno`` walks the line table;
+#: both are slow in vLLM's long scheduler methods.
+SITES: dict = {}
+
+
+def site_text(code, lasti: int) -> str:
+    """'file.py:function:line' of instruction offset ``lasti`` of ``code``,
+    memoised in :data:`SITES` (shared by the Python and native readers)."""
+    line = None
+    for start, end, ln in code.co_lines():
+        if start <= lasti < end:
+            line = ln
+            break
+    text = f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{line}"
+    SITES[(id(code), lasti)] = (code, text)
+    return text
+
+
+def site_of(frame) -> str:
+    """The call site of ``frame``'s current position ('?' for None)."""
+    if frame is None:
+        return "?"
+    code = frame.f_code
+    entry = SITES.get((id(code), frame.f_lasti))
+    if entry is not None and entry[0] is code:
+        return entry[1]
+    return site_text(code, frame.f_lasti)
+
+
+#: the native call-context reader (``kvsan._frames``) when in use, else None
+NATIVE = None
+#: the native clean-event path over the shadow table (``kvsan._shadowfast``)
+#: when in use, else None (checkers of pools made while it is set use it)
+SHADOWFAST = None
+
+
+def _native_module(name: str, abi: int):
+    try:
+        mod = importlib.import_module(f"kvsan.{name}")
+    except ImportError:
+        return None
+    if getattr(mod, "ABI", None) != abi or not getattr(mod, "AVAILABLE", 1):
+        return None  # built from another version of the source, or for another Python
+    return mod
+
+
+def use_native(on: bool = True) -> bool:
+    """Use kvsan's C speed-ups (built with the package, CPython 3.11):
+    ``kvsan._frames`` to read call contexts and ``kvsan._shadowfast`` for
+    clean allocator events.  ``on`` False (``KVSAN_NATIVE=0``), or where
+    they are unavailable, the pure-Python paths run; both give the same
+    results.  Returns whether both are in use."""
+    global NATIVE, SHADOWFAST
+    NATIVE = SHADOWFAST = None
+    if not on:
+        return False
+    frames = _native_module("_frames", 1)
+    if frames is not None:
+        frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
+        NATIVE = frames
+    SHADOWFAST = _native_module("_shadowfast", 1)
+    return NATIVE is not None and SHADOWFAST is not None
+
+
+def call_context(depth: int, owner_ctx: list) -> tuple[str, str | None] | None:
+    """(call site, owner) of the engine frame at or above the frame
+    ``depth`` levels above the caller: the owner is the innermost entry of
+    ``owner_ctx``, else read from the innermost owner frame.  None when the
+    stack is shallower than ``depth``."""
+    native = NATIVE
+    if native is not None:
+        return native.context(depth + 1, owner_ctx)
+    try:
+        f = engine_frame(sys._getframe(depth + 1))
+    except ValueError:
+        return None
+    return site_of(f), (owner_ctx[-1][0] if owner_ctx else owner_from_frames(f))
+
+
+def call_site(depth: int) -> str:
+    """The call site of the engine frame at or above ``depth`` levels above
+    the caller."""
+    native = NATIVE
+    if native is not None:
+        return native.site(depth + 1)
+    try:
+        return site_of(engine_frame(sys._getframe(depth + 1)))
+    except ValueError:
+        return "?"
+
+
 def request_on_stack(frame, request_id: str):
     """The engine's Request object ``request_id`` held in a ``request``
     local at or above ``frame`` (for hooks whose method gets only the id)."""
@@ -196,6 +294,7 @@ def uninstrument(targets: list[Target] | None = None) -> None:
     those of ``targets`` when given) and forget their owner frames."""
     if targets is None:
         OWNER_FRAMES.clear()
+        OWNER_SLOTS.clear()
         while _patched:
             owner, attr, original, _ = _patched.pop()
             setattr(owner, attr, original)
@@ -214,3 +313,6 @@ def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
     vals = dict(zip(names, args))
     vals.update({k: kwargs[k] for k in names if k in kwargs})
     return vals
+
+
+use_native(True)

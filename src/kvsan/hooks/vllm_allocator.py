@@ -19,10 +19,11 @@ from array import array
 from time import monotonic as _monotonic
 from time import perf_counter as _perf_counter
 
+from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
 from ..report import KVSanViolation
-from . import Target, bind_args, engine_frame, owner_from_frames
+from . import Target, bind_args, call_context, call_site, owner_from_frames
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
@@ -32,32 +33,10 @@ _KVM = "vllm.v1.core.kv_cache_manager"
 CACHE_FULL_BLOCKS_ARGS = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
 
 
-_SITES: dict = {}
-
-
 def _site(depth: int = 2) -> str:
     """'file.py:function:line' of the engine code that made the call (kvsan's
-    trampolines and hook frames skipped).  Memoised per code position: a dict
-    hit instead of string formatting on every allocator call."""
-    try:
-        f = sys._getframe(depth)
-    except ValueError:
-        return "?"
-    return _site_of(engine_frame(f))
-
-
-def _site_of(f) -> str:
-    if f is None:
-        return "?"
-    # keyed by (id of code, instruction offset): hashing a code object hashes
-    # its bytecode and constants, and f_lineno walks the line table; both
-    # are slow in vLLM's long scheduler methods
-    code = f.f_code
-    entry = _SITES.get((id(code), f.f_lasti))
-    if entry is None or entry[0] is not code:
-        entry = _SITES[(id(code), f.f_lasti)] = (
-            code, f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}:{f.f_lineno}")
-    return entry[1]
+    trampolines and hook frames skipped), ``depth`` frames above this one."""
+    return call_site(depth)
 
 
 def _context(rt) -> tuple[str, str | None]:
@@ -65,12 +44,8 @@ def _context(rt) -> tuple[str, str | None]:
     innermost explicit owner context (``rt.owner_ctx``), else the request of
     the innermost owner frame on the engine's stack (see
     :data:`kvsan.hooks.OWNER_FRAMES`), else None."""
-    try:
-        f = engine_frame(sys._getframe(2))
-    except ValueError:
-        return "?", rt.current_owner()
-    ctx = rt.owner_ctx
-    return _site_of(f), (ctx[-1][0] if ctx else owner_from_frames(f))
+    got = call_context(2, rt.owner_ctx)
+    return got if got is not None else ("?", rt.current_owner())
 
 
 def owner_here(rt) -> str | None:
@@ -123,12 +98,15 @@ def _pool_init(wrapped, instance, args, kwargs):
     if rt is None or getattr(instance, "medium", "GPU") != "GPU":
         return
     null = getattr(instance, "null_block", None)
-    rt.checkers[instance] = AllocatorChecker(
+    ck = rt.checkers[instance] = AllocatorChecker(
         instance.num_gpu_blocks,
         emit=rt.reporter.emit,
         step=rt.get_step,
         null_blocks=(null.block_id,) if null is not None else (),
     )
+    fast = _hooks.SHADOWFAST
+    if fast is not None:
+        ck.fast = _guard(rt, "shadowfast", fast.Table, ck.shadow, ck._mismatched)
     if rt.metrics is not None:  # the pool's gauges exist before the first step
         _guard(rt, "metrics", rt.metrics.update_pool, rt.checkers[instance].shadow.stats())
 
@@ -141,11 +119,34 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
         if owner is None:
             owner = f"anon:{site}"
             ck.shadow.nonrequest.add(owner)
-        evicted = _guard(rt, "get_new_blocks", ck.on_allocate,
-                         [(b.block_id, b.ref_cnt) for b in ret], owner, site)
+        evicted = _guard(rt, "get_new_blocks", _allocated, ck, ret, owner, site)
         if evicted:
             rt.journal.uncached.extend(evicted)
     return ret
+
+
+def _allocated(ck, blocks, owner: str, site: str):
+    """Fresh blocks handed to ``owner``: the native clean path when it
+    applies, else the checker.  Returns the blocks evicted to be reused."""
+    fast = ck.fast
+    if fast is not None and type(blocks) is list:
+        evicted = fast.allocate(blocks, owner, ck.step(), ck.shadow.site_id(site))
+        if evicted is not None:
+            ck.applied_allocate(owner, len(blocks), evicted)
+            return evicted
+    return ck.on_allocate([(b.block_id, b.ref_cnt) for b in blocks], owner, site)
+
+
+def _shared(ck, blocks: list, owner: str, site: str) -> None:
+    """Cached blocks taken by ``owner`` (prefix hit or pin)."""
+    fast = ck.fast
+    if fast is not None:
+        got = fast.share(blocks, owner, ck.step(), ck.shadow.site_id(site))
+        if got is not None:
+            ck.applied_share(owner, *got)
+            return
+    ck.on_share([(b.block_id, b.ref_cnt, b.prev_free_block is not None)
+                 for b in blocks if not b.is_null], owner, site)
 
 
 def _touch(wrapped, instance, args, kwargs):
@@ -153,16 +154,14 @@ def _touch(wrapped, instance, args, kwargs):
     if ck is None:
         return wrapped(*args, **kwargs)
     blocks = args[0] if args else kwargs["blocks"]
-    if not isinstance(blocks, (list, tuple)):
+    if type(blocks) is not list:
         blocks = list(blocks)
     ret = wrapped(blocks, *args[1:], **{k: v for k, v in kwargs.items() if k != "blocks"})
     site, owner = _context(rt)
     if owner is None:
         owner = f"pin:{site}"
         ck.shadow.nonrequest.add(owner)
-    _guard(rt, "touch", ck.on_share,
-           [(b.block_id, b.ref_cnt, b.prev_free_block is not None)
-            for b in blocks if not b.is_null], owner, site)
+    _guard(rt, "touch", _shared, ck, blocks, owner, site)
     return ret
 
 
@@ -194,6 +193,20 @@ def _release_obs(instance, blocks, pre):
     return obs
 
 
+def _released(ck, blocks: list, snap: list, owner: str | None, site: str):
+    """References dropped, on the native clean path: the blocks that left
+    every owner uncached (for the worker), or None when the event is not
+    clean (or the releaser is unknown) and the checker must look at it."""
+    if owner is None:
+        return None
+    got = ck.fast.release(blocks, snap, owner, ck.step(), ck.shadow.site_id(site))
+    if got is None:
+        return None
+    k, freed, unowned, unowned_cached = got
+    ck.applied_release(owner, k, unowned, unowned_cached)
+    return freed
+
+
 def _make_release(arg_name: str):
     def _release(wrapped, instance, args, kwargs):
         rt, ck = _checker(instance)
@@ -204,11 +217,26 @@ def _make_release(arg_name: str):
         else:
             blocks, rest = list(kwargs[arg_name]), ()
             kw = {k: v for k, v in kwargs.items() if k != arg_name}
-        pre = {}
-        for b in blocks:
-            if (b.pool is None or b.pool is instance) and not b.is_null and b.block_id not in pre:
-                pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
+        fast = ck.fast
+        # the native snapshot: each block's count and free-queue link, or None
+        # (a block of another pool or met twice: read below in Python)
+        snap = _guard(rt, "snapshot", fast.snapshot, blocks, instance) if fast else None
+        if snap is None:
+            pre = {}
+            for b in blocks:
+                if (b.pool is None or b.pool is instance) and not b.is_null \
+                        and b.block_id not in pre:
+                    pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
         ret = wrapped(blocks, *rest, **kw)
+        site, owner = _context(rt)
+        if snap is not None:
+            freed = _guard(rt, arg_name, _released, ck, blocks, snap, owner, site)
+            if freed is not None:
+                if freed:
+                    rt.journal.freed.extend(freed)
+                return ret
+            pre = {b.block_id: (v >> 1, bool(v & 1)) for b, v in zip(blocks, snap)
+                   if v is not None}
         freed = [b.block_id for b in blocks if b.ref_cnt == 0
                  and b.block_hash is None and b.block_id in pre]
         if freed:
@@ -221,7 +249,6 @@ def _make_release(arg_name: str):
                 # transient checkpoint's hash directly): they leave as free
                 rt.journal.uncached.extend(stale)
                 _guard(rt, "uncached", ck.on_uncached, stale)
-        site, owner = _context(rt)
         _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre), owner, site)
         return ret
 
@@ -235,6 +262,13 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
         def note():
             vals = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
             blocks = vals["blocks"][vals["num_cached_blocks"]:vals["num_full_blocks"]]
+            fast = ck.fast
+            got = fast.cache(blocks) if fast is not None and type(blocks) is list else None
+            if got is not None:
+                ids, unowned = got
+                rt.journal.cached.extend(ids)
+                ck.shadow.n_cached_free += unowned
+                return
             items = [(b.block_id, b.block_hash) for b in blocks
                      if b.block_hash is not None and not b.is_null]
             rt.journal.cached.extend(b for b, _ in items)

@@ -1,0 +1,16 @@
+"""Build of kvsan's optional C speed-ups (everything else is in pyproject.toml).
+
+``kvsan._frames`` reads the engine's call context from CPython 3.11's frame
+stack; ``kvsan._shadowfast`` applies clean allocator events to the shadow
+table.  Both are optional: where they cannot be built (no compiler, another
+Python), kvsan runs its pure-Python paths, which give the same results.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension("kvsan._frames", ["src/kvsan/_frames.c"], optional=True),
+        Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], optional=True),
+    ],
+)

@@ -1,0 +1,335 @@
+/* kvsan._frames: who made an allocator call, read from the interpreter's own
+ * frame stack without building Python frame objects.
+ *
+ * The pure-Python path (kvsan.hooks.engine_frame / owner_from_frames and
+ * kvsan.hooks.vllm_allocator._site_of) walks ``sys._getframe()`` and reads the
+ * owner frame's ``f_locals``.  On CPython 3.11 that materialises a frame
+ * object for every frame walked (each then pays a copy when its function
+ * returns) and converts the owner frame's fast locals into a dict: about
+ * 10 µs per allocator event in situ, the largest single share of kvsan's
+ * scheduler-side cost.  This module does the same walk over
+ * ``_PyInterpreterFrame`` (CPython 3.11's internal frame layout, hence built
+ * for 3.11 only) and reads one local slot.  The results are the same by
+ * construction and by test (tests/test_frames.py compares both paths on the
+ * real engine's stacks); the module is optional and kvsan falls back to the
+ * Python path when it is missing, disabled (KVSAN_NATIVE=0) or built for
+ * another ABI.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define KVSAN_FRAMES_ABI 1
+
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define KVSAN_HAVE_FRAMES 1
+#define Py_BUILD_CORE 1
+#include "internal/pycore_frame.h"
+#undef Py_BUILD_CORE
+#endif
+
+#ifdef KVSAN_HAVE_FRAMES
+
+/* set by configure(): strong references */
+static PyObject *trampoline_code = NULL; /* code object of kvsan's trampolines */
+static PyObject *hooks_prefix = NULL;    /* str: directory of kvsan's hook modules */
+static PyObject *sites = NULL;           /* dict (id(code), f_lasti) -> (code, text) */
+static PyObject *site_text = NULL;       /* callable(code, f_lasti) -> text (a miss) */
+static PyObject *owner_slots = NULL;     /* dict id(code) -> (code, slot, attr|None) */
+static PyObject *unknown_site = NULL;    /* "?" */
+static int owner_depth = 8;
+
+static inline _PyInterpreterFrame *
+complete(_PyInterpreterFrame *f)
+{
+    /* as sys._getframe and frame.f_back: incomplete frames are not counted */
+    while (f != NULL && _PyFrame_IsIncomplete(f)) {
+        f = f->previous;
+    }
+    return f;
+}
+
+/* 1: the frame is kvsan's patching (a trampoline or a hook function), 0: not,
+ * -1: error */
+static int
+is_kvsan(_PyInterpreterFrame *f)
+{
+    PyCodeObject *code = f->f_code;
+    if ((PyObject *)code == trampoline_code) {
+        return 1;
+    }
+    Py_ssize_t r = PyUnicode_Tailmatch(code->co_filename, hooks_prefix, 0,
+                                       PY_SSIZE_T_MAX, -1);
+    return r < 0 ? -1 : (int)r;
+}
+
+/* the engine frame at or above ``f`` (NULL: none); -1 in *err on error */
+static _PyInterpreterFrame *
+engine_frame(_PyInterpreterFrame *f, int *err)
+{
+    f = complete(f);
+    while (f != NULL) {
+        int k = is_kvsan(f);
+        if (k < 0) {
+            *err = 1;
+            return NULL;
+        }
+        if (!k) {
+            return f;
+        }
+        f = complete(f->previous);
+    }
+    return NULL;
+}
+
+/* new reference: the memoised 'file:function:line' text of the frame's
+ * current position */
+static PyObject *
+site_of(_PyInterpreterFrame *f)
+{
+    if (f == NULL) {
+        return Py_NewRef(unknown_site);
+    }
+    PyObject *code = (PyObject *)f->f_code;
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    long lasti_bytes = lasti < 0 ? -1 : (long)lasti * (long)sizeof(_Py_CODEUNIT);
+    PyObject *key = Py_BuildValue("(Nl)", PyLong_FromVoidPtr(code), lasti_bytes);
+    if (key == NULL) {
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(sites, key); /* borrowed */
+    Py_DECREF(key);
+    if (entry != NULL && PyTuple_CheckExact(entry) && PyTuple_GET_SIZE(entry) == 2
+        && PyTuple_GET_ITEM(entry, 0) == code) {
+        return Py_NewRef(PyTuple_GET_ITEM(entry, 1));
+    }
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    /* a miss: Python formats and memoises it (once per code position) */
+    PyObject *lasti_obj = PyLong_FromLong(lasti_bytes);
+    if (lasti_obj == NULL) {
+        return NULL;
+    }
+    PyObject *text = PyObject_CallFunctionObjArgs(site_text, code, lasti_obj, NULL);
+    Py_DECREF(lasti_obj);
+    return text;
+}
+
+/* new reference: the request the innermost owner frame at or above ``f``
+ * acts for (None when there is none or its local is not a str) */
+static PyObject *
+owner_of(_PyInterpreterFrame *f)
+{
+    for (int i = 0; i < owner_depth && f != NULL; i++, f = complete(f->previous)) {
+        PyObject *code = (PyObject *)f->f_code;
+        PyObject *id = PyLong_FromVoidPtr(code);
+        if (id == NULL) {
+            return NULL;
+        }
+        PyObject *entry = PyDict_GetItemWithError(owner_slots, id); /* borrowed */
+        Py_DECREF(id);
+        if (entry == NULL) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            continue;
+        }
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3
+            || PyTuple_GET_ITEM(entry, 0) != code) {
+            continue; /* a stale entry: the id of a code object since freed */
+        }
+        Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
+        if (slot < 0 || slot >= f->f_code->co_nlocalsplus) {
+            if (PyErr_Occurred()) {
+                return NULL;
+            }
+            Py_RETURN_NONE;
+        }
+        PyObject *value = f->localsplus[slot]; /* borrowed; NULL: unbound */
+        if (value != NULL && PyCell_Check(value)) {
+            value = PyCell_GET(value); /* a local captured by a closure */
+        }
+        if (value == NULL) {
+            Py_RETURN_NONE;
+        }
+        PyObject *attr = PyTuple_GET_ITEM(entry, 2);
+        if (attr != Py_None) {
+            value = PyObject_GetAttr(value, attr); /* new reference */
+            if (value == NULL) {
+                PyErr_Clear(); /* as getattr(value, attr, None) */
+                Py_RETURN_NONE;
+            }
+        } else {
+            Py_INCREF(value);
+        }
+        if (!PyUnicode_Check(value)) {
+            Py_DECREF(value);
+            Py_RETURN_NONE;
+        }
+        return value;
+    }
+    Py_RETURN_NONE;
+}
+
+static int
+configured(void)
+{
+    if (sites == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "kvsan._frames: configure() was not called");
+        return 0;
+    }
+    return 1;
+}
+
+/* the frame ``depth`` levels above the calling Python frame, then the engine
+ * frame at or above it; *ok = 0 when the stack is not that deep */
+static _PyInterpreterFrame *
+frame_at(long depth, int *ok, int *err)
+{
+    PyThreadState *ts = PyThreadState_Get();
+    _PyInterpreterFrame *f = complete(ts->cframe->current_frame);
+    for (long i = 0; i < depth && f != NULL; i++) {
+        f = complete(f->previous);
+    }
+    if (f == NULL) {
+        *ok = 0;
+        return NULL;
+    }
+    *ok = 1;
+    return engine_frame(f, err);
+}
+
+static PyObject *
+frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "context(depth, owner_ctx)");
+        return NULL;
+    }
+    if (!configured()) {
+        return NULL;
+    }
+    long depth = PyLong_AsLong(args[0]);
+    if (depth == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int ok = 0, err = 0;
+    _PyInterpreterFrame *f = frame_at(depth, &ok, &err);
+    if (err) {
+        return NULL;
+    }
+    if (!ok) {
+        Py_RETURN_NONE; /* the caller falls back (stack shallower than depth) */
+    }
+    PyObject *site = site_of(f);
+    if (site == NULL) {
+        return NULL;
+    }
+    PyObject *owner;
+    PyObject *ctx = args[1];
+    if (PyList_Check(ctx) && PyList_GET_SIZE(ctx) > 0) {
+        PyObject *top = PyList_GET_ITEM(ctx, PyList_GET_SIZE(ctx) - 1);
+        owner = PySequence_GetItem(top, 0);
+    } else {
+        owner = owner_of(f);
+    }
+    if (owner == NULL) {
+        Py_DECREF(site);
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(2);
+    if (out == NULL) {
+        Py_DECREF(site);
+        Py_DECREF(owner);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, site);
+    PyTuple_SET_ITEM(out, 1, owner);
+    return out;
+}
+
+static PyObject *
+frames_site(PyObject *self, PyObject *arg)
+{
+    if (!configured()) {
+        return NULL;
+    }
+    long depth = PyLong_AsLong(arg);
+    if (depth == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int ok = 0, err = 0;
+    _PyInterpreterFrame *f = frame_at(depth, &ok, &err);
+    if (err) {
+        return NULL;
+    }
+    return site_of(ok ? f : NULL);
+}
+
+static PyObject *
+frames_configure(PyObject *self, PyObject *args)
+{
+    PyObject *tcode, *prefix, *sites_, *text, *slots;
+    int depth;
+    if (!PyArg_ParseTuple(args, "OUO!OO!i", &tcode, &prefix, &PyDict_Type, &sites_,
+                          &text, &PyDict_Type, &slots, &depth)) {
+        return NULL;
+    }
+    if (!PyCode_Check(tcode) || !PyCallable_Check(text)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure(trampoline code, hooks dir, sites dict, site_text "
+                        "callable, owner slots dict, owner depth)");
+        return NULL;
+    }
+    Py_XSETREF(trampoline_code, Py_NewRef(tcode));
+    Py_XSETREF(hooks_prefix, Py_NewRef(prefix));
+    Py_XSETREF(sites, Py_NewRef(sites_));
+    Py_XSETREF(site_text, Py_NewRef(text));
+    Py_XSETREF(owner_slots, Py_NewRef(slots));
+    owner_depth = depth;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef frames_methods[] = {
+    {"configure", frames_configure, METH_VARARGS,
+     "configure(trampoline_code, hooks_dir, sites, site_text, owner_slots, owner_depth)"},
+    {"context", (PyCFunction)(void (*)(void))frames_context, METH_FASTCALL,
+     "context(depth, owner_ctx) -> (site, owner) of the engine frame at or above the "
+     "frame depth levels up, or None when the stack is shallower"},
+    {"site", frames_site, METH_O, "site(depth) -> 'file:function:line' of the engine frame"},
+    {NULL, NULL, 0, NULL},
+};
+#else
+static PyMethodDef frames_methods[] = {{NULL, NULL, 0, NULL}};
+#endif
+
+static struct PyModuleDef frames_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvsan._frames",
+    .m_doc = "Engine call context read from CPython 3.11's frame stack (optional speed-up).",
+    .m_size = -1,
+    .m_methods = frames_methods,
+};
+
+PyMODINIT_FUNC
+PyInit__frames(void)
+{
+    PyObject *m = PyModule_Create(&frames_module);
+    if (m == NULL) {
+        return NULL;
+    }
+#ifdef KVSAN_HAVE_FRAMES
+    unknown_site = PyUnicode_InternFromString("?");
+    if (unknown_site == NULL || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0) {
+#else
+    if (PyModule_AddIntConstant(m, "AVAILABLE", 0) < 0) {
+#endif
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ABI", KVSAN_FRAMES_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

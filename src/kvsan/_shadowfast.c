@@ -1,0 +1,907 @@
+/* kvsan._shadowfast: the clean case of the shadow table's hot updates in C.
+ *
+ * kvsan.checks.AllocatorChecker is the reference: every rule lives there,
+ * in Python.  On the scheduler's hot path (every allocate, prefix hit, free
+ * and cache registration) almost every event is clean, and the Python
+ * checker's cost is mostly per-call overhead: attribute reads on vLLM's
+ * blocks, tuples built to describe them, and the table updates.  A
+ * :class:`Table` here holds the shadow table's own arrays and lists and does,
+ * for one event, what the Python checker would do when *nothing* is wrong.
+ *
+ * Each method first verifies, without changing anything, that the event is
+ * clean (counts agree, the owner holds what it releases, no block is seen
+ * twice, none is in the checker's unresolved-mismatch set, ...).  If any
+ * check fails it returns None and the caller runs the Python checker, which
+ * finds and reports the fault exactly as without this module.  Only a clean
+ * event is applied here, with the same updates in the same order as the
+ * Python code (tests/test_shadowfast.py drives both on the same sequences
+ * and compares the whole table).  Per-owner bookkeeping (held counts,
+ * since) and the counters stay in Python: one dict update per call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define KVSAN_SHADOWFAST_ABI 1
+
+static PyObject *s_block_id, *s_ref_cnt, *s_prev_free_block, *s_is_null, *s_pool,
+    *s_block_hash;
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;
+    PyObject *own0;      /* list: first owner of each block or None */
+    PyObject *more;      /* dict: block -> list of further owners */
+    PyObject *hashes;    /* list: cache key of each cached block */
+    PyObject *acq_owner; /* list */
+    PyObject *rel_owner; /* list */
+    PyObject *null;      /* frozenset of null block ids */
+    PyObject *mism;      /* set: blocks with an unresolved count mismatch */
+    Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
+    unsigned char *seen; /* scratch: blocks already met in this call */
+    Py_ssize_t null_ids[4]; /* the null blocks (a pool has one) */
+    int n_null;
+} Table;
+
+static int
+get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t n, Py_ssize_t itemsize, const char *what)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    if (view->itemsize != itemsize || view->len != n * itemsize) {
+        PyErr_Format(PyExc_ValueError, "Table: %s must hold %zd items of %zd bytes", what, n,
+                     itemsize);
+        PyBuffer_Release(view);
+        view->obj = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void
+Table_dealloc(Table *self)
+{
+    Py_XDECREF(self->own0);
+    Py_XDECREF(self->more);
+    Py_XDECREF(self->hashes);
+    Py_XDECREF(self->acq_owner);
+    Py_XDECREF(self->rel_owner);
+    Py_XDECREF(self->null);
+    Py_XDECREF(self->mism);
+    Py_buffer *bufs[] = {&self->nown, &self->cached, &self->acq_step,
+                         &self->acq_site, &self->rel_step, &self->rel_site};
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
+        if (bufs[i]->obj != NULL) {
+            PyBuffer_Release(bufs[i]);
+        }
+    }
+    PyMem_Free(self->seen);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int
+Table_init(Table *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"shadow", "mismatched", NULL};
+    PyObject *sh, *mism;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!", kwlist, &sh, &PySet_Type, &mism)) {
+        return -1;
+    }
+    PyObject *num = PyObject_GetAttrString(sh, "num_blocks");
+    if (num == NULL) {
+        return -1;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(num);
+    Py_DECREF(num);
+    if (n < 0) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "Table: negative num_blocks");
+        }
+        return -1;
+    }
+    self->n = n;
+    struct {
+        const char *name;
+        PyObject **slot;
+        PyTypeObject *type;
+    } objs[] = {
+        {"own0", &self->own0, &PyList_Type},       {"more", &self->more, &PyDict_Type},
+        {"hashes", &self->hashes, &PyList_Type},   {"acq_owner", &self->acq_owner, &PyList_Type},
+        {"rel_owner", &self->rel_owner, &PyList_Type}, {"null", &self->null, &PyFrozenSet_Type},
+    };
+    for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
+        PyObject *o = PyObject_GetAttrString(sh, objs[i].name);
+        if (o == NULL) {
+            return -1;
+        }
+        if (!Py_IS_TYPE(o, objs[i].type)
+            || (objs[i].type == &PyList_Type && PyList_GET_SIZE(o) != n)) {
+            PyErr_Format(PyExc_TypeError, "Table: shadow.%s is not a %s of %zd items",
+                         objs[i].name, objs[i].type->tp_name, n);
+            Py_DECREF(o);
+            return -1;
+        }
+        Py_XSETREF(*objs[i].slot, o);
+    }
+    Py_XSETREF(self->mism, Py_NewRef(mism));
+    if (PySet_GET_SIZE(self->null) > (Py_ssize_t)(sizeof(self->null_ids) / sizeof(self->null_ids[0]))) {
+        PyErr_SetString(PyExc_ValueError, "Table: more null blocks than supported");
+        return -1;
+    }
+    self->n_null = 0;
+    {
+        Py_ssize_t pos = 0;
+        PyObject *item;
+        Py_hash_t hash;
+        while (_PySet_NextEntry(self->null, &pos, &item, &hash)) {
+            Py_ssize_t v = PyLong_AsSsize_t(item);
+            if (v == -1 && PyErr_Occurred()) {
+                return -1;
+            }
+            self->null_ids[self->n_null++] = v;
+        }
+    }
+    struct {
+        const char *name;
+        Py_buffer *view;
+        Py_ssize_t itemsize;
+    } bufs[] = {
+        {"nown", &self->nown, 4},         {"cached", &self->cached, 1},
+        {"acq_step", &self->acq_step, 4}, {"acq_site", &self->acq_site, 4},
+        {"rel_step", &self->rel_step, 4}, {"rel_site", &self->rel_site, 4},
+    };
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
+        PyObject *o = PyObject_GetAttrString(sh, bufs[i].name);
+        if (o == NULL) {
+            return -1;
+        }
+        if (bufs[i].view->obj != NULL) {
+            PyBuffer_Release(bufs[i].view);
+        }
+        int r = get_buf(o, bufs[i].view, n, bufs[i].itemsize, bufs[i].name);
+        Py_DECREF(o);
+        if (r < 0) {
+            return -1;
+        }
+    }
+    PyMem_Free(self->seen);
+    self->seen = PyMem_Calloc(n > 0 ? (size_t)n : 1, 1);
+    if (self->seen == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+#define NOWN(t) ((int *)(t)->nown.buf)
+#define CACHED(t) ((unsigned char *)(t)->cached.buf)
+#define I32(v) ((int *)(v).buf)
+
+/* an int attribute of an engine block: 0 ok, -1 error, 1 not an int */
+static int
+int_attr(PyObject *obj, PyObject *name, Py_ssize_t *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    if (!PyLong_CheckExact(v)) {
+        Py_DECREF(v);
+        return 1;
+    }
+    *out = PyLong_AsSsize_t(v);
+    Py_DECREF(v);
+    if (*out == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 1;
+    }
+    return 0;
+}
+
+/* 1 / 0: the attribute is / is not None; -1 error */
+static int
+attr_is_none(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    int r = v == Py_None;
+    Py_DECREF(v);
+    return r;
+}
+
+static int
+attr_true(PyObject *obj, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        return -1;
+    }
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* 1: ``b`` is one of the table's null blocks or in the mismatch set */
+static inline int
+is_null_id(Table *t, Py_ssize_t b)
+{
+    for (int i = 0; i < t->n_null; i++) {
+        if (t->null_ids[i] == b) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+static int
+special(Table *t, Py_ssize_t b)
+{
+    if (is_null_id(t, b)) {
+        return 1;
+    }
+    if (PySet_GET_SIZE(t->mism) == 0) {
+        return 0;
+    }
+    PyObject *key = PyLong_FromSsize_t(b);
+    if (key == NULL) {
+        return -1;
+    }
+    int r = PySet_Contains(t->mism, key);
+    Py_DECREF(key);
+    return r;
+}
+
+static int
+set_list(PyObject *list, Py_ssize_t i, PyObject *v)
+{
+    Py_INCREF(v);
+    return PyList_SetItem(list, i, v);
+}
+
+/* ``owner`` is an owner of ``b``: 1 as own0, 2 in more, 0 not, -1 error */
+static int
+owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out)
+{
+    *extra_out = NULL;
+    PyObject *o = PyList_GET_ITEM(t->own0, b);
+    if (o == Py_None) {
+        return 0;
+    }
+    int r = PyObject_RichCompareBool(o, owner, Py_EQ);
+    if (r != 0) {
+        return r;
+    }
+    PyObject *key = PyLong_FromSsize_t(b);
+    if (key == NULL) {
+        return -1;
+    }
+    PyObject *extra = PyDict_GetItemWithError(t->more, key);
+    Py_DECREF(key);
+    if (extra == NULL) {
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (!PyList_CheckExact(extra)) {
+        return 0;
+    }
+    r = PySequence_Contains(extra, owner);
+    if (r > 0) {
+        *extra_out = extra;
+        return 2;
+    }
+    return r;
+}
+
+/* allocate(blocks, owner, step, site) -> list of evicted block ids, or None
+ * (not clean: run the Python checker).  Fresh blocks from the free queue:
+ * each unowned in the table, engine count 1, met once. */
+static PyObject *
+Table_allocate(Table *t, PyObject *args)
+{
+    PyObject *blocks, *owner;
+    int step, site;
+    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(blocks);
+    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
+    if (ids == NULL) {
+        return PyErr_NoMemory();
+    }
+    int *nown = NOWN(t);
+    Py_ssize_t i, marked = 0;
+    int clean = 1;
+    for (i = 0; i < k && clean; i++) {
+        PyObject *blk = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t b, ref;
+        int r = int_attr(blk, s_block_id, &b);
+        if (r == 0) {
+            r = int_attr(blk, s_ref_cnt, &ref);
+        }
+        if (r < 0) {
+            goto error;
+        }
+        if (r > 0 || b < 0 || b >= t->n || ref != 1 || nown[b] != 0 || t->seen[b]
+            || PyList_GET_ITEM(t->own0, b) != Py_None) {
+            clean = 0;
+            break;
+        }
+        int s = special(t, b);
+        if (s < 0) {
+            goto error;
+        }
+        if (s) {
+            clean = 0;
+            break;
+        }
+        t->seen[b] = 1;
+        ids[marked++] = b;
+    }
+    for (i = 0; i < marked; i++) {
+        t->seen[ids[i]] = 0;
+    }
+    if (!clean) {
+        PyMem_Free(ids);
+        Py_RETURN_NONE;
+    }
+    PyObject *evicted = PyList_New(0);
+    if (evicted == NULL) {
+        goto error_nomarks;
+    }
+    unsigned char *cached = CACHED(t);
+    for (i = 0; i < k; i++) {
+        Py_ssize_t b = ids[i];
+        if (cached[b]) {
+            PyObject *id = PyLong_FromSsize_t(b);
+            if (id == NULL || PyList_Append(evicted, id) < 0) {
+                Py_XDECREF(id);
+                Py_DECREF(evicted);
+                goto error_nomarks;
+            }
+            Py_DECREF(id);
+            cached[b] = 0;
+            if (set_list(t->hashes, b, Py_None) < 0) {
+                Py_DECREF(evicted);
+                goto error_nomarks;
+            }
+        }
+        if (set_list(t->own0, b, owner) < 0 || set_list(t->acq_owner, b, owner) < 0) {
+            Py_DECREF(evicted);
+            goto error_nomarks;
+        }
+        nown[b] = 1;
+        I32(t->acq_step)[b] = step;
+        I32(t->acq_site)[b] = site;
+    }
+    PyMem_Free(ids);
+    return evicted;
+error:
+    for (Py_ssize_t j = 0; j < marked; j++) {
+        t->seen[ids[j]] = 0;
+    }
+error_nomarks:
+    PyMem_Free(ids);
+    return NULL;
+}
+
+/* share(blocks, owner, step, site) -> (blocks taken, newly owned, of them
+ * cached), or None.  Prefix hits: each non-null block met once, out of the
+ * free queue, its engine count one more than its owners. */
+static PyObject *
+Table_share(Table *t, PyObject *args)
+{
+    PyObject *blocks, *owner;
+    int step, site;
+    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(blocks);
+    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
+    if (ids == NULL) {
+        return PyErr_NoMemory();
+    }
+    int *nown = NOWN(t);
+    Py_ssize_t i, m = 0;
+    int clean = 1;
+    for (i = 0; i < k && clean; i++) {
+        PyObject *blk = PyList_GET_ITEM(blocks, i);
+        int isnull = attr_true(blk, s_is_null);
+        if (isnull < 0) {
+            goto error;
+        }
+        if (isnull) {
+            continue; /* the hook leaves null blocks out */
+        }
+        Py_ssize_t b, ref;
+        int r = int_attr(blk, s_block_id, &b);
+        if (r == 0) {
+            r = int_attr(blk, s_ref_cnt, &ref);
+        }
+        if (r < 0) {
+            goto error;
+        }
+        int unlinked = r == 0 ? attr_is_none(blk, s_prev_free_block) : 1;
+        if (unlinked < 0) {
+            goto error;
+        }
+        if (r > 0 || !unlinked || b < 0 || b >= t->n || t->seen[b] || ref != nown[b] + 1) {
+            clean = 0;
+            break;
+        }
+        int s = special(t, b);
+        if (s < 0) {
+            goto error;
+        }
+        if (s) {
+            clean = 0;
+            break;
+        }
+        t->seen[b] = 1;
+        ids[m++] = b;
+    }
+    for (i = 0; i < m; i++) {
+        t->seen[ids[i]] = 0;
+    }
+    if (!clean) {
+        PyMem_Free(ids);
+        Py_RETURN_NONE;
+    }
+    unsigned char *cached = CACHED(t);
+    Py_ssize_t newly = 0, claimed = 0;
+    for (i = 0; i < m; i++) {
+        Py_ssize_t b = ids[i];
+        if (PyList_GET_ITEM(t->own0, b) == Py_None) {
+            if (set_list(t->own0, b, owner) < 0) {
+                goto error_nomarks;
+            }
+            newly++;
+            if (cached[b]) {
+                claimed++;
+            }
+        } else {
+            PyObject *key = PyLong_FromSsize_t(b);
+            if (key == NULL) {
+                goto error_nomarks;
+            }
+            PyObject *extra = PyDict_GetItemWithError(t->more, key);
+            int r;
+            if (extra != NULL) {
+                r = PyList_Append(extra, owner);
+            } else if (PyErr_Occurred()) {
+                r = -1;
+            } else {
+                PyObject *lst = PyList_New(1);
+                r = lst == NULL ? -1 : 0;
+                if (lst != NULL) {
+                    PyList_SET_ITEM(lst, 0, Py_NewRef(owner));
+                    r = PyDict_SetItem(t->more, key, lst);
+                    Py_DECREF(lst);
+                }
+            }
+            Py_DECREF(key);
+            if (r < 0) {
+                goto error_nomarks;
+            }
+        }
+        nown[b] += 1;
+        if (set_list(t->acq_owner, b, owner) < 0) {
+            goto error_nomarks;
+        }
+        I32(t->acq_step)[b] = step;
+        I32(t->acq_site)[b] = site;
+    }
+    PyMem_Free(ids);
+    return Py_BuildValue("(nnn)", m, newly, claimed);
+error:
+    for (Py_ssize_t j = 0; j < m; j++) {
+        t->seen[ids[j]] = 0;
+    }
+error_nomarks:
+    PyMem_Free(ids);
+    return NULL;
+}
+
+/* snapshot(blocks, pool) -> list of (ref << 1 | linked) per block, None for
+ * a null block; or None when the call is not simple (a block of another
+ * pool, a block met twice, a non-int count): the hook then reads the
+ * blocks itself. */
+static PyObject *
+Table_snapshot(Table *t, PyObject *args)
+{
+    PyObject *blocks, *pool;
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &pool)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(blocks);
+    PyObject *out = PyList_New(k);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
+    if (ids == NULL) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t i, m = 0;
+    int clean = 1, err = 0;
+    for (i = 0; i < k; i++) {
+        PyObject *blk = PyList_GET_ITEM(blocks, i);
+        PyObject *bp = PyObject_GetAttr(blk, s_pool);
+        if (bp == NULL) {
+            err = 1;
+            break;
+        }
+        int ours = bp == Py_None || bp == pool;
+        Py_DECREF(bp);
+        if (!ours) {
+            clean = 0;
+            break;
+        }
+        int isnull = attr_true(blk, s_is_null);
+        if (isnull < 0) {
+            err = 1;
+            break;
+        }
+        if (isnull) {
+            PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+            continue;
+        }
+        Py_ssize_t b, ref;
+        int r = int_attr(blk, s_block_id, &b);
+        if (r == 0) {
+            r = int_attr(blk, s_ref_cnt, &ref);
+        }
+        if (r < 0) {
+            err = 1;
+            break;
+        }
+        int unlinked = r == 0 ? attr_is_none(blk, s_prev_free_block) : 1;
+        if (unlinked < 0) {
+            err = 1;
+            break;
+        }
+        if (r > 0 || b < 0 || b >= t->n || t->seen[b]) {
+            clean = 0;
+            break;
+        }
+        PyObject *v = PyLong_FromSsize_t(ref * 2 + (unlinked ? 0 : 1));
+        if (v == NULL) {
+            err = 1;
+            break;
+        }
+        t->seen[b] = 1;
+        ids[m++] = b;
+        PyList_SET_ITEM(out, i, v);
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        t->seen[ids[j]] = 0;
+    }
+    PyMem_Free(ids);
+    if (err || !clean) {
+        Py_DECREF(out); /* unset items are NULL: list dealloc skips them */
+        if (err) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* release(blocks, snap, owner, step, site) -> (references dropped, freed
+ * block ids, blocks left unowned, of them cached), or None.  Each block's
+ * engine count dropped by one from ``snap``, ``owner`` held it, the count
+ * left equals the owners left, and a block back in the free queue was not
+ * in it before and has no owner left. */
+static PyObject *
+Table_release(Table *t, PyObject *args)
+{
+    PyObject *blocks, *snap, *owner;
+    int step, site;
+    if (!PyArg_ParseTuple(args, "O!O!Uii", &PyList_Type, &blocks, &PyList_Type, &snap, &owner,
+                          &step, &site)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(blocks);
+    if (PyList_GET_SIZE(snap) != k) {
+        Py_RETURN_NONE;
+    }
+    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t) * 2);
+    if (ids == NULL) {
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t *freed_flag = ids + (k ? k : 1);
+    int *nown = NOWN(t);
+    unsigned char *cached = CACHED(t);
+    Py_ssize_t i, m = 0;
+    for (i = 0; i < k; i++) {
+        PyObject *sv = PyList_GET_ITEM(snap, i);
+        if (sv == Py_None) {
+            continue;
+        }
+        PyObject *blk = PyList_GET_ITEM(blocks, i);
+        Py_ssize_t b, ref, before = PyLong_AsSsize_t(sv);
+        if (before == -1 && PyErr_Occurred()) {
+            goto error;
+        }
+        int linked_before = (int)(before & 1);
+        Py_ssize_t ref_before = (before - linked_before) / 2;
+        int r = int_attr(blk, s_block_id, &b);
+        if (r == 0) {
+            r = int_attr(blk, s_ref_cnt, &ref);
+        }
+        if (r < 0) {
+            goto error;
+        }
+        if (r > 0 || b < 0 || b >= t->n || ref != ref_before - 1 || ref < 0
+            || ref != nown[b] - 1) {
+            goto slow;
+        }
+        PyObject *extra;
+        int o = owns(t, b, owner, &extra);
+        if (o < 0) {
+            goto error;
+        }
+        int s = o ? special(t, b) : 0;
+        if (s < 0) {
+            goto error;
+        }
+        if (!o || s) {
+            goto slow;
+        }
+        freed_flag[m] = 0;
+        if (ref == 0) {
+            int unlinked = attr_is_none(blk, s_prev_free_block);
+            int nohash = unlinked < 0 ? -1 : attr_is_none(blk, s_block_hash);
+            if (nohash < 0) {
+                goto error;
+            }
+            if (!unlinked && linked_before) {
+                goto slow; /* inserted twice into the free queue */
+            }
+            if (nohash) {
+                if (cached[b]) {
+                    goto slow; /* a cache entry dropped behind kvsan's back */
+                }
+                freed_flag[m] = 1;
+            }
+        }
+        ids[m++] = b;
+    }
+    PyObject *freed = PyList_New(0);
+    if (freed == NULL) {
+        goto error;
+    }
+    Py_ssize_t unowned = 0, unowned_cached = 0;
+    for (i = 0; i < m; i++) {
+        Py_ssize_t b = ids[i];
+        PyObject *extra = NULL;
+        PyObject *key = PyLong_FromSsize_t(b);
+        if (key == NULL) {
+            goto error_freed;
+        }
+        int o = owns(t, b, owner, &extra);
+        if (o < 0) {
+            Py_DECREF(key);
+            goto error_freed;
+        }
+        if (o == 1) {
+            extra = PyDict_GetItemWithError(t->more, key);
+            if (extra == NULL && PyErr_Occurred()) {
+                Py_DECREF(key);
+                goto error_freed;
+            }
+            if (extra != NULL && PyList_GET_SIZE(extra) > 0) {
+                /* own0 = extra.pop() */
+                Py_ssize_t last = PyList_GET_SIZE(extra) - 1;
+                PyObject *next = Py_NewRef(PyList_GET_ITEM(extra, last));
+                int r = PyList_SetSlice(extra, last, last + 1, NULL);
+                if (r == 0) {
+                    r = PyList_SetItem(t->own0, b, next);
+                } else {
+                    Py_DECREF(next);
+                }
+                if (r == 0 && PyList_GET_SIZE(extra) == 0) {
+                    r = PyDict_DelItem(t->more, key);
+                }
+                if (r < 0) {
+                    Py_DECREF(key);
+                    goto error_freed;
+                }
+            } else {
+                if (set_list(t->own0, b, Py_None) < 0) {
+                    Py_DECREF(key);
+                    goto error_freed;
+                }
+                unowned++;
+                if (cached[b]) {
+                    unowned_cached++;
+                }
+            }
+        } else if (o == 2) {
+            /* extra.remove(owner) */
+            Py_ssize_t n = PyList_GET_SIZE(extra), j;
+            int r = 0;
+            for (j = 0; j < n; j++) {
+                r = PyObject_RichCompareBool(PyList_GET_ITEM(extra, j), owner, Py_EQ);
+                if (r != 0) {
+                    break;
+                }
+            }
+            if (r < 0 || j == n || PyList_SetSlice(extra, j, j + 1, NULL) < 0
+                || (PyList_GET_SIZE(extra) == 0 && PyDict_DelItem(t->more, key) < 0)) {
+                Py_DECREF(key);
+                if (!PyErr_Occurred()) {
+                    PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
+                }
+                goto error_freed;
+            }
+        } else {
+            Py_DECREF(key);
+            PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
+            goto error_freed;
+        }
+        nown[b] -= 1;
+        if (set_list(t->rel_owner, b, owner) < 0) {
+            Py_DECREF(key);
+            goto error_freed;
+        }
+        I32(t->rel_step)[b] = step;
+        I32(t->rel_site)[b] = site;
+        if (freed_flag[i] && PyList_Append(freed, key) < 0) {
+            Py_DECREF(key);
+            goto error_freed;
+        }
+        Py_DECREF(key);
+    }
+    PyMem_Free(ids);
+    return Py_BuildValue("(nNnn)", m, freed, unowned, unowned_cached);
+error_freed:
+    Py_DECREF(freed);
+error:
+    PyMem_Free(ids);
+    return NULL;
+slow:
+    PyMem_Free(ids);
+    Py_RETURN_NONE;
+}
+
+/* cache(blocks) -> (block ids given a cache key, of them unowned), or None.
+ * Registers each non-null block whose key is set, as on_cached does. */
+static PyObject *
+Table_cache(Table *t, PyObject *arg)
+{
+    if (!PyList_Check(arg)) {
+        PyErr_SetString(PyExc_TypeError, "cache(list of blocks)");
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(arg);
+    unsigned char *cached = CACHED(t);
+    for (Py_ssize_t i = 0; i < k; i++) { /* check first: nothing half-done */
+        PyObject *blk = PyList_GET_ITEM(arg, i);
+        Py_ssize_t b;
+        int r = int_attr(blk, s_block_id, &b);
+        if (r < 0) {
+            return NULL;
+        }
+        if (r > 0 || b < 0 || b >= t->n) {
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *ids = PyList_New(0);
+    if (ids == NULL) {
+        return NULL;
+    }
+    Py_ssize_t unowned = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *blk = PyList_GET_ITEM(arg, i);
+        int isnull = attr_true(blk, s_is_null);
+        if (isnull < 0) {
+            goto error;
+        }
+        if (isnull) {
+            continue;
+        }
+        PyObject *key = PyObject_GetAttr(blk, s_block_hash);
+        if (key == NULL) {
+            goto error;
+        }
+        if (key == Py_None) {
+            Py_DECREF(key);
+            continue;
+        }
+        PyObject *id = PyObject_GetAttr(blk, s_block_id);
+        Py_ssize_t b = id == NULL ? -1 : PyLong_AsSsize_t(id);
+        if (b < 0) {
+            Py_XDECREF(id);
+            Py_DECREF(key);
+            goto error;
+        }
+        if (is_null_id(t, b)) {
+            Py_DECREF(id);
+            Py_DECREF(key);
+            continue; /* the table's null block is never cached */
+        }
+        int r = PyList_Append(ids, id);
+        Py_DECREF(id);
+        if (r < 0) {
+            Py_DECREF(key);
+            goto error;
+        }
+        if (!cached[b]) {
+            cached[b] = 1;
+            if (PyList_GET_ITEM(t->own0, b) == Py_None) {
+                unowned++;
+            }
+        }
+        if (PyList_SetItem(t->hashes, b, key) < 0) { /* steals key */
+            goto error;
+        }
+    }
+    return Py_BuildValue("(Nn)", ids, unowned);
+error:
+    Py_DECREF(ids);
+    return NULL;
+}
+
+static PyMethodDef Table_methods[] = {
+    {"allocate", (PyCFunction)Table_allocate, METH_VARARGS,
+     "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean)"},
+    {"share", (PyCFunction)Table_share, METH_VARARGS,
+     "share(blocks, owner, step, site) -> (taken, newly owned, of them cached), or None"},
+    {"snapshot", (PyCFunction)Table_snapshot, METH_VARARGS,
+     "snapshot(blocks, pool) -> [ref << 1 | linked or None per block], or None"},
+    {"release", (PyCFunction)Table_release, METH_VARARGS,
+     "release(blocks, snap, owner, step, site) -> (dropped, freed ids, unowned, of them "
+     "cached), or None"},
+    {"cache", (PyCFunction)Table_cache, METH_O,
+     "cache(blocks) -> (block ids given a key, of them unowned), or None"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsan._shadowfast.Table",
+    .tp_doc = "The clean-event fast path over a kvsan ShadowTable's arrays.",
+    .tp_basicsize = sizeof(Table),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Table_init,
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_methods = Table_methods,
+};
+
+static struct PyModuleDef shadowfast_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvsan._shadowfast",
+    .m_doc = "The clean case of kvsan's shadow-table updates in C (optional speed-up).",
+    .m_size = -1,
+};
+
+PyMODINIT_FUNC
+PyInit__shadowfast(void)
+{
+    if (PyType_Ready(&TableType) < 0) {
+        return NULL;
+    }
+    s_block_id = PyUnicode_InternFromString("block_id");
+    s_ref_cnt = PyUnicode_InternFromString("ref_cnt");
+    s_prev_free_block = PyUnicode_InternFromString("prev_free_block");
+    s_is_null = PyUnicode_InternFromString("is_null");
+    s_pool = PyUnicode_InternFromString("pool");
+    s_block_hash = PyUnicode_InternFromString("block_hash");
+    if (!s_block_id || !s_ref_cnt || !s_prev_free_block || !s_is_null || !s_pool
+        || !s_block_hash) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&shadowfast_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ABI", KVSAN_SHADOWFAST_ABI) < 0
+        || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,187 @@
+"""kvsan's C speed-ups (``kvsan._frames``, ``kvsan._shadowfast``) against the
+pure-Python paths they shortcut: the same seeded traffic, with faults mixed
+in, on vLLM's real KVCacheManager, run once with each; the violations, the
+whole shadow table and the worker journal must be identical."""
+
+import random
+import sys
+
+import pytest
+
+from conftest import kinds_of
+from vllm_objects import make_manager, make_request
+
+pytestmark = pytest.mark.engine
+
+PY311 = sys.version_info[:2] == (3, 11)
+
+
+@pytest.fixture
+def native_switch(rt):
+    from kvsan import hooks
+
+    yield hooks.use_native
+    hooks.use_native(rt.config.native)
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+def test_speedups_are_built_and_in_use(rt):
+    """The package build compiles both modules here (CI would otherwise
+    measure and test only the Python paths without noticing)."""
+    from kvsan import _frames, _shadowfast, hooks
+
+    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 1
+    assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
+    m = make_manager(8)
+    assert rt.checkers[m.block_pool].fast is not None
+
+
+def _table_state(ck) -> dict:
+    sh = ck.shadow
+    n = sh.num_blocks
+    return {
+        "own0": list(sh.own0),
+        "more": {b: list(v) for b, v in sh.more.items()},
+        "nown": list(sh.nown),
+        "cached": bytes(sh.cached),
+        "hashes": [None if h is None else bytes(str(h), "utf8") for h in sh.hashes],
+        "acq": [(sh.acq_owner[b], sh.acq_step[b], sh.sites[sh.acq_site[b]]) for b in range(n)],
+        "rel": [(sh.rel_owner[b], sh.rel_step[b], sh.sites[sh.rel_site[b]]) for b in range(n)],
+        "held": dict(sh.held),
+        "since": sorted(sh.since),
+        "ended": dict(sh.ended),
+        "nonrequest": sorted(sh.nonrequest),
+        "n_owned": sh.n_owned,
+        "n_cached_free": sh.n_cached_free,
+        "stats": sh.stats(),
+        "counters": dict(ck.counters),
+        "mismatched": sorted(ck._mismatched),
+    }
+
+
+def _drive(rt, seed: int, faults: bool) -> dict:
+    """Seeded traffic on a fresh manager (request ids fixed by the seed),
+    optionally with faults: stray count changes, a touch without a
+    reference, a free outside the manager, a referenced block put in the
+    free queue."""
+    from vllm.v1.request import RequestStatus
+
+    rng = random.Random(seed)
+    rt.clear()
+    errors0 = rt.reporter.internal_errors
+    rt.journal.take()
+    m = make_manager(32)
+    pool = m.block_pool
+    ck = rt.checkers[pool]
+    prefixes = [[rng.randrange(1, 400) for _ in range(16 * rng.randint(1, 3))] for _ in range(3)]
+    live, trace, journal = {}, [], []
+    for i in range(160):
+        op = rng.random()
+        try:
+            if op < 0.4 or not live:
+                toks = rng.choice(prefixes) + [rng.randrange(1, 400)
+                                               for _ in range(rng.randint(1, 40))]
+                r = make_request(toks, f"s{seed}-r{i}")
+                computed, hit = m.get_computed_blocks(r)[:2]
+                if m.allocate_slots(r, r.num_tokens - hit, hit, computed) is None:
+                    trace.append((i, "full"))
+                    continue
+                r.num_computed_tokens = r.num_tokens
+                live[r.request_id] = r
+            elif op < 0.55:
+                r = live[rng.choice(sorted(live))]
+                r.append_output_token_ids(rng.randrange(1, 400))
+                if m.allocate_slots(r, 1) is not None:
+                    r.num_computed_tokens += 1
+            elif op < 0.65:
+                r = live.pop(rng.choice(sorted(live)))
+                m.free(r)
+                ck.on_request_released(r.request_id, "preempted", "t", False)
+            elif op < 0.85:
+                r = live.pop(rng.choice(sorted(live)))
+                r.status = RequestStatus.FINISHED_STOPPED
+                m.free(r)
+                ck.on_request_released(r.request_id, "finished", "t")
+            elif op < 0.9 or not faults:
+                m.evict_blocks({rng.randrange(1, 32)})
+            else:
+                r = live[rng.choice(sorted(live))]
+                blocks = m.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+                blk = blocks[rng.randrange(len(blocks))]
+                kind = rng.randrange(5)
+                if kind == 0:
+                    blk.ref_cnt -= 1
+                elif kind == 1:
+                    blk.ref_cnt += 1
+                elif kind == 2:
+                    pool.touch([blk])  # no owner on the stack: a pin
+                elif kind == 3:
+                    pool.free_blocks(list(blocks))  # outside the manager
+                elif blk.prev_free_block is None and not blk.is_null:
+                    pool.free_block_queue.append(blk)  # queued while referenced
+                trace.append((i, "fault", kind, blk.block_id))
+        except Exception as e:  # noqa: BLE001 - vLLM's own asserts after a fault
+            trace.append((i, "engine raised", type(e).__name__))
+        journal.append(rt.journal.take())
+    refs = [b.ref_cnt for b in pool.blocks]
+    linked = [b.prev_free_block is not None for b in pool.blocks]
+    audit = ck.audit(refs, linked, set(live))
+    return {
+        "trace": trace,
+        "journal": journal,
+        "audit": audit,
+        "violations": [(v.kind, v.blocks, v.owners, v.actor, v.step, v.site)
+                       for v in rt.violations()],
+        "table": _table_state(ck),
+        "internal_errors": rt.reporter.internal_errors - errors0,
+    }
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
+def test_native_and_python_paths_agree(rt, native_switch, seed, faults):
+    assert native_switch(True)
+    fast = _drive(rt, seed, faults)
+    native_switch(False)
+    slow = _drive(rt, seed, faults)
+    for key in fast:
+        assert fast[key] == slow[key], key
+    assert fast["internal_errors"] == 0
+    if faults:
+        assert fast["violations"], "the injected faults must be reported"
+    else:
+        assert fast["violations"] == [] and fast["audit"] == 0
+    rt.clear()
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+def test_native_call_context_matches_python(rt, native_switch):
+    """Owner and call site as each reader sees them, from inside a real pool
+    call made by vLLM's manager for request R (an owner frame)."""
+    from kvsan.hooks import call_context
+
+    seen = []
+    import vllm.v1.core.block_pool as bp
+
+    original = bp.BlockPool.get_new_blocks
+
+    def spy(self, n):
+        for on in (True, False):
+            native_switch(on)
+            seen.append(call_context(1, []))
+        native_switch(True)
+        return original(self, n)
+
+    m = make_manager(8)
+    bp.BlockPool.get_new_blocks = spy
+    try:
+        r = make_request(list(range(40)), "R")
+        m.allocate_slots(r, 40)
+    finally:
+        bp.BlockPool.get_new_blocks = original
+    m.free(r)
+    assert seen and all(s == seen[0] for s in seen), seen
+    site, owner = seen[0]
+    assert owner == "R" and site.startswith("single_type_kv_cache_manager.py:allocate_new_blocks:")
+    assert kinds_of(rt) == []
