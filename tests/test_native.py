@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from conftest import kinds_of
-from vllm_objects import make_manager, make_request
+from vllm_objects import make_manager, make_request, schedule
 
 pytestmark = pytest.mark.engine
 
@@ -185,3 +185,32 @@ def test_native_call_context_matches_python(rt, native_switch):
     site, owner = seen[0]
     assert owner == "R" and site.startswith("single_type_kv_cache_manager.py:allocate_new_blocks:")
     assert kinds_of(rt) == []
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+def test_native_pool_view_matches_python(rt, native_switch):
+    """The full audit's view of a real pool (counts and free-queue flags),
+    read in C and in Python, with owned, shared, cached-free and free
+    blocks, a negative count and the null block."""
+    import numpy as np
+
+    from kvsan.hooks.vllm_allocator import pool_view
+
+    m = make_manager(16)
+    a = make_request(list(range(48)) + [1], "A")
+    b = make_request(list(range(48)) + [2], "B")
+    c = make_request(list(range(100, 140)), "C")
+    assert schedule(m, a) == 0 and schedule(m, b) == 48 and schedule(m, c) == 0
+    m.free(c)
+    m.block_pool.blocks[5].ref_cnt = -1  # what a fault leaves behind
+    views = []
+    for on in (True, False):
+        native_switch(on)
+        views.append(pool_view(m.block_pool.blocks))
+    (r1, l1), (r2, l2) = views
+    assert r1.dtype == r2.dtype == np.int64 and l1.dtype == l2.dtype == bool
+    assert r1.tolist() == r2.tolist() and l1.tolist() == l2.tolist()
+    assert -1 in r1.tolist() and 2 in r1.tolist() and l1.any() and not l1.all()
+    m.block_pool.blocks[5].ref_cnt = 0
+    m.free(a)
+    m.free(b)

@@ -23,8 +23,58 @@
 
 #define KVSAN_SHADOWFAST_ABI 1
 
-static PyObject *s_block_id, *s_ref_cnt, *s_prev_free_block, *s_is_null, *s_pool,
-    *s_block_hash;
+#include <structmember.h>
+
+/* The engine block's attributes read here.  vLLM's KVCacheBlock is a slotted
+ * dataclass: its fields are member descriptors at fixed offsets, so once per
+ * block type (and again whenever the type is modified) the offsets are
+ * resolved and a field is read as a pointer load, the way CPython's own
+ * descriptor does it.  Anything else (another type, a property, an unset
+ * slot) goes through PyObject_GetAttr. */
+enum { A_BLOCK_ID, A_REF_CNT, A_PREV_FREE, A_IS_NULL, A_POOL, A_BLOCK_HASH, N_ATTRS };
+static const char *attr_names[N_ATTRS] = {"block_id", "ref_cnt", "prev_free_block",
+                                          "is_null", "pool", "block_hash"};
+static PyObject *names[N_ATTRS];
+static PyTypeObject *slot_type = NULL; /* the type the offsets belong to */
+static unsigned int slot_version = 0;
+static Py_ssize_t slot_offset[N_ATTRS];
+
+static void
+resolve_slots(PyTypeObject *tp)
+{
+    Py_XSETREF(slot_type, (PyTypeObject *)Py_NewRef(tp));
+    for (int i = 0; i < N_ATTRS; i++) {
+        PyObject *d = _PyType_Lookup(tp, names[i]); /* borrowed */
+        slot_offset[i] = -1;
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+            if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
+                slot_offset[i] = md->offset;
+            }
+        }
+    }
+    /* read after the lookups, which give the type a version tag if it had
+     * none; no valid tag: every read goes through PyObject_GetAttr */
+    slot_version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
+}
+
+/* new reference to attribute ``i`` of ``obj``, or NULL with an exception */
+static PyObject *
+get_field(PyObject *obj, int i)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp != slot_type || !slot_version || tp->tp_version_tag != slot_version
+        || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
+        resolve_slots(tp);
+    }
+    if (slot_version && slot_offset[i] >= 0) {
+        PyObject *v = *(PyObject **)((char *)obj + slot_offset[i]);
+        if (v != NULL) {
+            return Py_NewRef(v);
+        }
+    }
+    return PyObject_GetAttr(obj, names[i]);
+}
 
 typedef struct {
     PyObject_HEAD
@@ -179,9 +229,9 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
 
 /* an int attribute of an engine block: 0 ok, -1 error, 1 not an int */
 static int
-int_attr(PyObject *obj, PyObject *name, Py_ssize_t *out)
+int_attr(PyObject *obj, int name, Py_ssize_t *out)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = get_field(obj, name);
     if (v == NULL) {
         return -1;
     }
@@ -200,9 +250,9 @@ int_attr(PyObject *obj, PyObject *name, Py_ssize_t *out)
 
 /* 1 / 0: the attribute is / is not None; -1 error */
 static int
-attr_is_none(PyObject *obj, PyObject *name)
+attr_is_none(PyObject *obj, int name)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = get_field(obj, name);
     if (v == NULL) {
         return -1;
     }
@@ -212,9 +262,9 @@ attr_is_none(PyObject *obj, PyObject *name)
 }
 
 static int
-attr_true(PyObject *obj, PyObject *name)
+attr_true(PyObject *obj, int name)
 {
-    PyObject *v = PyObject_GetAttr(obj, name);
+    PyObject *v = get_field(obj, name);
     if (v == NULL) {
         return -1;
     }
@@ -315,9 +365,9 @@ Table_allocate(Table *t, PyObject *args)
     for (i = 0; i < k && clean; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
         Py_ssize_t b, ref;
-        int r = int_attr(blk, s_block_id, &b);
+        int r = int_attr(blk, A_BLOCK_ID, &b);
         if (r == 0) {
-            r = int_attr(blk, s_ref_cnt, &ref);
+            r = int_attr(blk, A_REF_CNT, &ref);
         }
         if (r < 0) {
             goto error;
@@ -406,7 +456,7 @@ Table_share(Table *t, PyObject *args)
     int clean = 1;
     for (i = 0; i < k && clean; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        int isnull = attr_true(blk, s_is_null);
+        int isnull = attr_true(blk, A_IS_NULL);
         if (isnull < 0) {
             goto error;
         }
@@ -414,14 +464,14 @@ Table_share(Table *t, PyObject *args)
             continue; /* the hook leaves null blocks out */
         }
         Py_ssize_t b, ref;
-        int r = int_attr(blk, s_block_id, &b);
+        int r = int_attr(blk, A_BLOCK_ID, &b);
         if (r == 0) {
-            r = int_attr(blk, s_ref_cnt, &ref);
+            r = int_attr(blk, A_REF_CNT, &ref);
         }
         if (r < 0) {
             goto error;
         }
-        int unlinked = r == 0 ? attr_is_none(blk, s_prev_free_block) : 1;
+        int unlinked = r == 0 ? attr_is_none(blk, A_PREV_FREE) : 1;
         if (unlinked < 0) {
             goto error;
         }
@@ -527,7 +577,7 @@ Table_snapshot(Table *t, PyObject *args)
     int clean = 1, err = 0;
     for (i = 0; i < k; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        PyObject *bp = PyObject_GetAttr(blk, s_pool);
+        PyObject *bp = get_field(blk, A_POOL);
         if (bp == NULL) {
             err = 1;
             break;
@@ -538,7 +588,7 @@ Table_snapshot(Table *t, PyObject *args)
             clean = 0;
             break;
         }
-        int isnull = attr_true(blk, s_is_null);
+        int isnull = attr_true(blk, A_IS_NULL);
         if (isnull < 0) {
             err = 1;
             break;
@@ -548,15 +598,15 @@ Table_snapshot(Table *t, PyObject *args)
             continue;
         }
         Py_ssize_t b, ref;
-        int r = int_attr(blk, s_block_id, &b);
+        int r = int_attr(blk, A_BLOCK_ID, &b);
         if (r == 0) {
-            r = int_attr(blk, s_ref_cnt, &ref);
+            r = int_attr(blk, A_REF_CNT, &ref);
         }
         if (r < 0) {
             err = 1;
             break;
         }
-        int unlinked = r == 0 ? attr_is_none(blk, s_prev_free_block) : 1;
+        int unlinked = r == 0 ? attr_is_none(blk, A_PREV_FREE) : 1;
         if (unlinked < 0) {
             err = 1;
             break;
@@ -626,9 +676,9 @@ Table_release(Table *t, PyObject *args)
         }
         int linked_before = (int)(before & 1);
         Py_ssize_t ref_before = (before - linked_before) / 2;
-        int r = int_attr(blk, s_block_id, &b);
+        int r = int_attr(blk, A_BLOCK_ID, &b);
         if (r == 0) {
-            r = int_attr(blk, s_ref_cnt, &ref);
+            r = int_attr(blk, A_REF_CNT, &ref);
         }
         if (r < 0) {
             goto error;
@@ -651,8 +701,8 @@ Table_release(Table *t, PyObject *args)
         }
         freed_flag[m] = 0;
         if (ref == 0) {
-            int unlinked = attr_is_none(blk, s_prev_free_block);
-            int nohash = unlinked < 0 ? -1 : attr_is_none(blk, s_block_hash);
+            int unlinked = attr_is_none(blk, A_PREV_FREE);
+            int nohash = unlinked < 0 ? -1 : attr_is_none(blk, A_BLOCK_HASH);
             if (nohash < 0) {
                 goto error;
             }
@@ -780,7 +830,7 @@ Table_cache(Table *t, PyObject *arg)
     for (Py_ssize_t i = 0; i < k; i++) { /* check first: nothing half-done */
         PyObject *blk = PyList_GET_ITEM(arg, i);
         Py_ssize_t b;
-        int r = int_attr(blk, s_block_id, &b);
+        int r = int_attr(blk, A_BLOCK_ID, &b);
         if (r < 0) {
             return NULL;
         }
@@ -795,14 +845,14 @@ Table_cache(Table *t, PyObject *arg)
     Py_ssize_t unowned = 0;
     for (Py_ssize_t i = 0; i < k; i++) {
         PyObject *blk = PyList_GET_ITEM(arg, i);
-        int isnull = attr_true(blk, s_is_null);
+        int isnull = attr_true(blk, A_IS_NULL);
         if (isnull < 0) {
             goto error;
         }
         if (isnull) {
             continue;
         }
-        PyObject *key = PyObject_GetAttr(blk, s_block_hash);
+        PyObject *key = get_field(blk, A_BLOCK_HASH);
         if (key == NULL) {
             goto error;
         }
@@ -810,7 +860,7 @@ Table_cache(Table *t, PyObject *arg)
             Py_DECREF(key);
             continue;
         }
-        PyObject *id = PyObject_GetAttr(blk, s_block_id);
+        PyObject *id = get_field(blk, A_BLOCK_ID);
         Py_ssize_t b = id == NULL ? -1 : PyLong_AsSsize_t(id);
         if (b < 0) {
             Py_XDECREF(id);
@@ -859,6 +909,60 @@ static PyMethodDef Table_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* read_pool(blocks) -> (int64 counts as bytes, free-queue flags as bytes),
+ * or None when a block's count is not an int: the full audit's view of a
+ * whole pool (a million blocks: one pass of pointer loads instead of two
+ * Python list comprehensions). */
+static PyObject *
+read_pool(PyObject *module, PyObject *arg)
+{
+    PyObject *seq = PySequence_Fast(arg, "read_pool(blocks): a sequence of blocks");
+    if (seq == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *refs = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
+    PyObject *linked = PyBytes_FromStringAndSize(NULL, n);
+    if (refs == NULL || linked == NULL) {
+        goto error;
+    }
+    int64_t *r = (int64_t *)PyBytes_AS_STRING(refs);
+    char *l = PyBytes_AS_STRING(linked);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t ref;
+        int k = int_attr(items[i], A_REF_CNT, &ref);
+        if (k < 0) {
+            goto error;
+        }
+        if (k > 0) {
+            Py_DECREF(refs);
+            Py_DECREF(linked);
+            Py_DECREF(seq);
+            Py_RETURN_NONE;
+        }
+        int unlinked = attr_is_none(items[i], A_PREV_FREE);
+        if (unlinked < 0) {
+            goto error;
+        }
+        r[i] = ref;
+        l[i] = unlinked ? 0 : 1;
+    }
+    Py_DECREF(seq);
+    return Py_BuildValue("(NN)", refs, linked);
+error:
+    Py_XDECREF(refs);
+    Py_XDECREF(linked);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyMethodDef module_methods[] = {
+    {"read_pool", read_pool, METH_O,
+     "read_pool(blocks) -> (int64 ref counts as bytes, free-queue flags as bytes), or None"},
+    {NULL, NULL, 0, NULL},
+};
+
 static PyTypeObject TableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvsan._shadowfast.Table",
@@ -876,6 +980,7 @@ static struct PyModuleDef shadowfast_module = {
     .m_name = "kvsan._shadowfast",
     .m_doc = "The clean case of kvsan's shadow-table updates in C (optional speed-up).",
     .m_size = -1,
+    .m_methods = module_methods,
 };
 
 PyMODINIT_FUNC
@@ -884,15 +989,11 @@ PyInit__shadowfast(void)
     if (PyType_Ready(&TableType) < 0) {
         return NULL;
     }
-    s_block_id = PyUnicode_InternFromString("block_id");
-    s_ref_cnt = PyUnicode_InternFromString("ref_cnt");
-    s_prev_free_block = PyUnicode_InternFromString("prev_free_block");
-    s_is_null = PyUnicode_InternFromString("is_null");
-    s_pool = PyUnicode_InternFromString("pool");
-    s_block_hash = PyUnicode_InternFromString("block_hash");
-    if (!s_block_id || !s_ref_cnt || !s_prev_free_block || !s_is_null || !s_pool
-        || !s_block_hash) {
-        return NULL;
+    for (int i = 0; i < N_ATTRS; i++) {
+        names[i] = PyUnicode_InternFromString(attr_names[i]);
+        if (names[i] == NULL) {
+            return NULL;
+        }
     }
     PyObject *m = PyModule_Create(&shadowfast_module);
     if (m == NULL) {
