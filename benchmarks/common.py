@@ -21,12 +21,18 @@ ENV = {
 }
 
 
+#: the scheduler benchmark also runs ``python``: default with KVSAN_NATIVE=0
+#: (kvsan's C speed-ups off), to show what they save side by side
+NATIVE_OFF = "python"
+
+
 def config_for(setting: str):
     from kvsan.config import Config
 
     if setting == "off":
         return None
-    return Config(enabled=True, log_events=False, audit_every=1 if setting == "strict" else 0)
+    return Config(enabled=True, log_events=False, audit_every=1 if setting == "strict" else 0,
+                  native=setting != NATIVE_OFF)
 
 
 @contextmanager

@@ -24,7 +24,7 @@ import gc
 import random
 import time
 
-from .common import SETTINGS, config_for, ratio_cell, table
+from .common import NATIVE_OFF, SETTINGS, config_for, ratio_cell, table
 
 BLOCK = 16
 _MODEL = None
@@ -89,6 +89,7 @@ def _activate(lane) -> None:
     hooks.uninstrument()
     _rt.set_runtime(None)
     if lane.rt is not None:
+        hooks.use_native(lane.rt.config.native)
         hooks.instrument(vllm_allocator.targets())
         vllm_identity.install()
         _rt.set_runtime(lane.rt)
@@ -208,6 +209,7 @@ def run_lockstep(n: int, steps: int, seed: int = 0, num_blocks: int | None = Non
 
         vllm_identity.uninstall()
         hooks.uninstrument()
+        hooks.use_native(True)
         _rt.set_runtime(None)
     prints = {s: lane.fingerprint for s, lane in lanes.items()}
     if len(set(prints.values())) != 1:
@@ -220,10 +222,11 @@ def run_lockstep(n: int, steps: int, seed: int = 0, num_blocks: int | None = Non
 
 
 def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0) -> dict:
-    """Ratios per chunk of consecutive steps (the spread), and over all steps."""
+    """Ratios per chunk of consecutive steps (the spread), and over all steps;
+    the ``python`` lane is default with kvsan's C speed-ups off."""
     results = {}
     for n in sizes:
-        lanes = run_lockstep(n, steps, seed)
+        lanes = run_lockstep(n, steps, seed, settings=SETTINGS + (NATIVE_OFF,))
         off = lanes["off"].times
         size = max(1, steps // chunks)
         res = {"steps": steps, "num_blocks": 3 * n + 16,
@@ -248,10 +251,13 @@ def markdown(res: dict) -> str:
                      f"{r['evicted']}", f"{r['off_us']:.0f}", f"{r['default_us']:.0f}",
                      f"{r['strict_us']:.0f}",
                      f"**{r['default_all']:.3f}x** ({ratio_cell(r['default'])})",
-                     f"**{r['strict_all']:.3f}x** ({ratio_cell(r['strict'])})"])
+                     f"**{r['strict_all']:.3f}x** ({ratio_cell(r['strict'])})",
+                     f"{r[NATIVE_OFF + '_all']:.3f}x ({ratio_cell(r[NATIVE_OFF])})"
+                     if NATIVE_OFF in r else "-"])
     return table(["requests", "pool blocks", "finished/aborted/preempted/evicted",
                   "off µs/step", "default µs/step", "strict µs/step",
-                  "default / off (median per chunk, min-max)", "strict / off"], rows)
+                  "default / off (median per chunk, min-max)", "strict / off",
+                  "default, KVSAN_NATIVE=0 / off"], rows)
 
 
 if __name__ == "__main__":

@@ -303,6 +303,21 @@ special(Table *t, Py_ssize_t b)
     return r;
 }
 
+/* the table's lists still have one item per block (nothing in kvsan resizes
+ * them; checked on every call all the same: an index is never out of range) */
+static int
+table_ok(Table *t)
+{
+    if (t->own0 == NULL || PyList_GET_SIZE(t->own0) != t->n
+        || PyList_GET_SIZE(t->hashes) != t->n || PyList_GET_SIZE(t->acq_owner) != t->n
+        || PyList_GET_SIZE(t->rel_owner) != t->n || t->seen == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "kvsan._shadowfast: the shadow table changed size or was not set up");
+        return 0;
+    }
+    return 1;
+}
+
 static int
 set_list(PyObject *list, Py_ssize_t i, PyObject *v)
 {
@@ -351,7 +366,8 @@ Table_allocate(Table *t, PyObject *args)
 {
     PyObject *blocks, *owner;
     int step, site;
-    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)) {
+    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)
+        || !table_ok(t)) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
@@ -443,7 +459,8 @@ Table_share(Table *t, PyObject *args)
 {
     PyObject *blocks, *owner;
     int step, site;
-    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)) {
+    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)
+        || !table_ok(t)) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
@@ -560,7 +577,7 @@ static PyObject *
 Table_snapshot(Table *t, PyObject *args)
 {
     PyObject *blocks, *pool;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &pool)) {
+    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &pool) || !table_ok(t)) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
@@ -649,7 +666,8 @@ Table_release(Table *t, PyObject *args)
     PyObject *blocks, *snap, *owner;
     int step, site;
     if (!PyArg_ParseTuple(args, "O!O!Uii", &PyList_Type, &blocks, &PyList_Type, &snap, &owner,
-                          &step, &site)) {
+                          &step, &site)
+        || !table_ok(t)) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
@@ -825,6 +843,9 @@ Table_cache(Table *t, PyObject *arg)
         PyErr_SetString(PyExc_TypeError, "cache(list of blocks)");
         return NULL;
     }
+    if (!table_ok(t)) {
+        return NULL;
+    }
     Py_ssize_t k = PyList_GET_SIZE(arg);
     unsigned char *cached = CACHED(t);
     for (Py_ssize_t i = 0; i < k; i++) { /* check first: nothing half-done */
@@ -916,11 +937,10 @@ static PyMethodDef Table_methods[] = {
 static PyObject *
 read_pool(PyObject *module, PyObject *arg)
 {
-    PyObject *seq = PySequence_Fast(arg, "read_pool(blocks): a sequence of blocks");
-    if (seq == NULL) {
-        return NULL;
+    if (!PyList_Check(arg)) {
+        Py_RETURN_NONE; /* the caller reads it in Python */
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_ssize_t n = PyList_GET_SIZE(arg);
     PyObject *refs = PyBytes_FromStringAndSize(NULL, n * (Py_ssize_t)sizeof(int64_t));
     PyObject *linked = PyBytes_FromStringAndSize(NULL, n);
     if (refs == NULL || linked == NULL) {
@@ -928,32 +948,32 @@ read_pool(PyObject *module, PyObject *arg)
     }
     int64_t *r = (int64_t *)PyBytes_AS_STRING(refs);
     char *l = PyBytes_AS_STRING(linked);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < n; i++) {
+        if (i >= PyList_GET_SIZE(arg)) {
+            goto resized;
+        }
+        PyObject *blk = Py_NewRef(PyList_GET_ITEM(arg, i)); /* held while read */
         Py_ssize_t ref;
-        int k = int_attr(items[i], A_REF_CNT, &ref);
-        if (k < 0) {
+        int k = int_attr(blk, A_REF_CNT, &ref);
+        int unlinked = k == 0 ? attr_is_none(blk, A_PREV_FREE) : 0;
+        Py_DECREF(blk);
+        if (k < 0 || unlinked < 0) {
             goto error;
         }
         if (k > 0) {
-            Py_DECREF(refs);
-            Py_DECREF(linked);
-            Py_DECREF(seq);
-            Py_RETURN_NONE;
-        }
-        int unlinked = attr_is_none(items[i], A_PREV_FREE);
-        if (unlinked < 0) {
-            goto error;
+            goto resized; /* not an int: the Python path */
         }
         r[i] = ref;
         l[i] = unlinked ? 0 : 1;
     }
-    Py_DECREF(seq);
     return Py_BuildValue("(NN)", refs, linked);
+resized:
+    Py_DECREF(refs);
+    Py_DECREF(linked);
+    Py_RETURN_NONE;
 error:
     Py_XDECREF(refs);
     Py_XDECREF(linked);
-    Py_DECREF(seq);
     return NULL;
 }
 
