@@ -2,7 +2,8 @@
 
 ``kvsan._frames`` reads the engine's call context from CPython 3.11's frame
 stack; ``kvsan._shadowfast`` applies clean allocator events to the shadow
-table.  Both are optional: where they cannot be built (no compiler, another
+table; ``kvsan._tokenlinks`` computes the identity audit's token chain.
+All are optional: where they cannot be built (no compiler, another
 Python), kvsan runs its pure-Python paths, which give the same results.
 """
 
@@ -12,5 +13,6 @@ setup(
     ext_modules=[
         Extension("kvsan._frames", ["src/kvsan/_frames.c"], optional=True),
         Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], optional=True),
+        Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], optional=True),
     ],
 )

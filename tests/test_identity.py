@@ -173,3 +173,41 @@ def test_use_after_free_is_corruption_not_a_key_bug(rt):
     assert recs and not mismatches(rt)
     wrong = [r for r in recs if r["kind"] in ("free_with_live_owners", "reuse_with_live_owners")]
     assert wrong and all(r["class"] == "corruption" for r in wrong)
+
+
+def test_native_token_links_equal_the_python_chain():
+    """``kvsan._tokenlinks`` gives exactly ``hash((parent, tuple(block)))``,
+    the Python chain, on edge values (ints past the hash modulus, negative
+    ones, -1, a short last block, an empty range)."""
+    import random
+    import sys
+
+    from kvsan.checks import identity
+
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the speed-ups are built for CPython 3.11")
+    from kvsan._tokenlinks import links
+
+    rng = random.Random(7)
+    edge = [0, -1, -2, 1, 2**61 - 1, 2**61, -2**61, 2**63, -2**63 - 5, 2**70]
+    for _ in range(500):
+        toks = [rng.choice(edge + [rng.randrange(-10**6, 10**6)])
+                for _ in range(rng.randrange(0, 60))]
+        bs, start = rng.randrange(1, 20), rng.randrange(0, 6)
+        upto = start + rng.randrange(0, 6)
+        parent = rng.choice([0, -2**63, 2**63 - 1, rng.randrange(-2**63, 2**63)])
+        want, p = [], parent
+        for k in range(start, upto):
+            p = hash((p, tuple(toks[k * bs:(k + 1) * bs])))
+            want.append(p)
+        assert links(toks, bs, start, upto, parent) == want
+    # and through RequestIdentity, the Python loop against the native call
+    chains = []
+    for on in (True, False):
+        identity.use_native(on)
+        ident = identity.RequestIdentity((b"", b"", b""))
+        ident.extend(3, list(range(40)), 16, None, None)
+        ident.extend(5, list(range(80)), 16, None, None)
+        chains.append(ident.tok)
+    identity.use_native(True)
+    assert chains[0] == chains[1] and len(chains[0]) == 5

@@ -50,6 +50,26 @@ def text(value) -> bytes:
     return b"\x00" if value is None else repr(value).encode()
 
 
+#: ``kvsan._tokenlinks.links`` (the token chain in C, same values) when in
+#: use, else None
+_links = None
+
+
+def use_native(on: bool = True) -> bool:
+    """Compute token links with ``kvsan._tokenlinks`` where it was built
+    (the same values as the Python loop).  Returns whether it is in use."""
+    global _links
+    _links = None
+    if on:
+        try:
+            from .. import _tokenlinks
+        except ImportError:
+            return False
+        if getattr(_tokenlinks, "ABI", None) == 1:
+            _links = _tokenlinks.links
+    return _links is not None
+
+
 def _chain_step(tag: str, parent: bytes, part: bytes) -> bytes:
     return _EMPTY if not parent and not part else digest(tag, parent, part)
 
@@ -89,9 +109,13 @@ class RequestIdentity:
         if start >= upto:
             return
         parent = tok[-1] if tok else 0
-        for k in range(start, upto):
-            parent = hash((parent, tuple(tokens[k * bs:(k + 1) * bs])))
-            tok.append(parent)
+        links = _links
+        if links is not None and type(tokens) is list:
+            tok += links(tokens, bs, start, upto, parent)
+        else:
+            for k in range(start, upto):
+                parent = hash((parent, tuple(tokens[k * bs:(k + 1) * bs])))
+                tok.append(parent)
         for chain, part, tag in ((self.mm, mm, "mm"), (self.emb, emb, "emb")):
             if part is None:
                 chain.extend([_EMPTY] * (upto - start))
@@ -167,3 +191,6 @@ class IdentityAudit:
                       "engine_key": key.hex()[:16],
                       "producer": {f: d.hex()[:16] for f, d in zip(FIELDS, theirs)},
                       "consumer": {f: d.hex()[:16] for f, d in zip(FIELDS, ours)}}]))
+
+
+use_native(True)

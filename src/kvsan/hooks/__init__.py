@@ -232,12 +232,16 @@ def _native_module(name: str, abi: int):
 
 def use_native(on: bool = True) -> bool:
     """Use kvsan's C speed-ups (built with the package, CPython 3.11):
-    ``kvsan._frames`` to read call contexts and ``kvsan._shadowfast`` for
-    clean allocator events.  ``on`` False (``KVSAN_NATIVE=0``), or where
+    ``kvsan._frames`` to read call contexts, ``kvsan._shadowfast`` for
+    clean allocator events and ``kvsan._tokenlinks`` for the identity
+    audit's token chain.  ``on`` False (``KVSAN_NATIVE=0``), or where
     they are unavailable, the pure-Python paths run; both give the same
-    results.  Returns whether both are in use."""
+    results.  Returns whether all are in use."""
     global NATIVE, SHADOWFAST
+    from ..checks import identity
+
     NATIVE = SHADOWFAST = None
+    links = identity.use_native(on)
     if not on:
         return False
     frames = _native_module("_frames", 1)
@@ -245,7 +249,7 @@ def use_native(on: bool = True) -> bool:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
     SHADOWFAST = _native_module("_shadowfast", 1)
-    return NATIVE is not None and SHADOWFAST is not None
+    return NATIVE is not None and SHADOWFAST is not None and links
 
 
 def call_context(depth: int, owner_ctx: list) -> tuple[str, str | None] | None:

@@ -23,7 +23,19 @@ from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS, _guard
 
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
 _lora_epochs: dict[str, int] = {}
-_chains: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Request -> chain
+#: request id -> (weak reference to its Request, its identity chain).  A
+#: plain dict keyed by the id, the Request's identity checked through the
+#: weak reference: a WeakKeyDictionary lookup builds a weak reference and
+#: runs Python-level code on every call.  The entry goes when its Request does.
+_chains: dict = {}
+
+
+def _forget(rid: str):
+    def drop(ref):
+        entry = _chains.get(rid)
+        if entry is not None and entry[0] is ref:
+            del _chains[rid]
+    return drop
 _audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
 WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
                "update_weights_from", "init_weight_transfer")
@@ -101,13 +113,16 @@ def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes]:
 
 
 def _chain(request, bs: int, upto: int) -> RequestIdentity:
-    ident = _chains.get(request)
-    if ident is None:
+    rid = request.request_id
+    entry = _chains.get(rid)
+    if entry is not None and entry[0]() is request:
+        ident = entry[1]
+    else:  # a new request (or a new Request object reusing an id)
         lr = request.lora_request
         lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
                 if lr else None)
         ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]))
-        _chains[request] = ident
+        _chains[rid] = (weakref.ref(request, _forget(rid)), ident)
     if len(ident.tok) < upto:
         # the list behind vLLM's read-only view: slicing it is a C call
         tokens = getattr(request, "_all_token_ids", None)

@@ -1,0 +1,152 @@
+/* kvsan._tokenlinks: the identity audit's token chain, computed in C.
+ *
+ * kvsan.checks.identity.RequestIdentity.extend links each block of a
+ * request's tokens to its parent as ``hash((parent, tuple(block_tokens)))``
+ * (CPython's tuple hash: deterministic for ints, no hash randomisation).  It
+ * runs for every block a request caches and every prefix block it is served,
+ * and in Python the slice, the two tuples and the loop cost several µs per
+ * call.  ``links()`` returns the same values -- CPython 3.11's tuple hash
+ * (xxHash-based, Objects/tupleobject.c) applied to the same items, each
+ * item's hash taken with PyObject_Hash -- without building the tuples.
+ * tests/test_identity.py checks it against ``hash()`` on edge values.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define KVSAN_TOKENLINKS_ABI 1
+
+#if SIZEOF_PY_UHASH_T > 4
+#define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
+#define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)
+#define XXPRIME_5 ((Py_uhash_t)2870177450012600261ULL)
+#define XXROTATE(x) ((x << 31) | (x >> 33))
+#else
+#define XXPRIME_1 ((Py_uhash_t)2654435761UL)
+#define XXPRIME_2 ((Py_uhash_t)2246822519UL)
+#define XXPRIME_5 ((Py_uhash_t)374761393UL)
+#define XXROTATE(x) ((x << 13) | (x >> 19))
+#endif
+
+static inline Py_uhash_t
+acc_lane(Py_uhash_t acc, Py_uhash_t lane)
+{
+    acc += lane * XXPRIME_2;
+    acc = XXROTATE(acc);
+    acc *= XXPRIME_1;
+    return acc;
+}
+
+static inline Py_hash_t
+acc_finish(Py_uhash_t acc, Py_ssize_t len)
+{
+    acc += (Py_uhash_t)len ^ (XXPRIME_5 ^ 3527539UL);
+    if (acc == (Py_uhash_t)-1) {
+        return 1546275796;
+    }
+    return (Py_hash_t)acc;
+}
+
+/* links(tokens, bs, start, upto, parent) -> [link of block k for k in
+ * range(start, upto)], each ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))``
+ * starting from ``parent`` */
+static PyObject *
+links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "links(tokens: list, bs, start, upto, parent)");
+        return NULL;
+    }
+    PyObject *tokens = args[0];
+    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t upto = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bs <= 0 || start < 0 || upto < start) {
+        PyErr_SetString(PyExc_ValueError, "links: bs > 0 and 0 <= start <= upto");
+        return NULL;
+    }
+    Py_hash_t parent = PyObject_Hash(args[4]);
+    if (parent == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(upto - start);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t k = start; k < upto; k++) {
+        /* tokens[k*bs:(k+1)*bs], clipped as a slice is */
+        Py_ssize_t n = PyList_GET_SIZE(tokens);
+        Py_ssize_t lo = k * bs < n ? k * bs : n;
+        Py_ssize_t hi = (k + 1) * bs < n ? (k + 1) * bs : n;
+        Py_uhash_t acc = XXPRIME_5;
+        for (Py_ssize_t i = lo; i < hi; i++) {
+            PyObject *item = Py_NewRef(PyList_GET_ITEM(tokens, i));
+            Py_hash_t h = PyObject_Hash(item);
+            Py_DECREF(item);
+            if (h == -1 && PyErr_Occurred()) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            acc = acc_lane(acc, (Py_uhash_t)h);
+            if (PyList_GET_SIZE(tokens) != n) {
+                Py_DECREF(out);
+                PyErr_SetString(PyExc_RuntimeError, "links: the token list changed");
+                return NULL;
+            }
+        }
+        Py_hash_t inner = acc_finish(acc, hi - lo);
+        /* hash((parent, inner tuple)): the parent's lane is hash(parent) */
+        PyObject *p = PyLong_FromSsize_t(parent);
+        if (p == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_hash_t ph = PyObject_Hash(p);
+        Py_DECREF(p);
+        if (ph == -1 && PyErr_Occurred()) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        acc = acc_lane(XXPRIME_5, (Py_uhash_t)ph);
+        acc = acc_lane(acc, (Py_uhash_t)inner);
+        parent = acc_finish(acc, 2);
+        PyObject *v = PyLong_FromSsize_t(parent);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, k - start, v);
+    }
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"links", (PyCFunction)(void (*)(void))links, METH_FASTCALL,
+     "links(tokens, bs, start, upto, parent) -> the token chain's links of blocks "
+     "[start, upto), as hash((parent, tuple(block tokens))) would give them"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef tokenlinks_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvsan._tokenlinks",
+    .m_doc = "The identity audit's token chain in C (optional speed-up).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__tokenlinks(void)
+{
+    PyObject *m = PyModule_Create(&tokenlinks_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ABI", KVSAN_TOKENLINKS_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
