@@ -116,6 +116,11 @@ class RequestIdentity:
             for k in range(start, upto):
                 parent = hash((parent, tuple(tokens[k * bs:(k + 1) * bs])))
                 tok.append(parent)
+        if mm is None and emb is None:  # text only: both chains stay empty
+            pad = [_EMPTY] * (upto - start)
+            self.mm += pad
+            self.emb += pad
+            return
         for chain, part, tag in ((self.mm, mm, "mm"), (self.emb, emb, "emb")):
             if part is None:
                 chain.extend([_EMPTY] * (upto - start))

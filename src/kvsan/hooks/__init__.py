@@ -313,7 +313,10 @@ def uninstrument(targets: list[Target] | None = None) -> None:
 
 def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
     """The leading parameters of a hooked call by name, whether vLLM passed
-    them positionally or as keywords."""
+    them positionally or as keywords (read-only: an all-keyword call, vLLM's
+    usual one, gets its own ``kwargs`` back rather than a copy)."""
+    if not args:
+        return kwargs
     vals = dict(zip(names, args))
     vals.update({k: kwargs[k] for k in names if k in kwargs})
     return vals

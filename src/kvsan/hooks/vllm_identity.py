@@ -168,42 +168,50 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
     rt = _rt.get()
     audit = _audit(rt, instance)
     if audit is not None:
-        def note():
-            v = kwargs if not args else bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
-            request, blocks = v["request"], v["blocks"]
-            lo, hi = v["num_cached_blocks"], v["num_full_blocks"]
-            if lo >= hi:
-                return
-            ident = _chain(request, instance.hash_block_size, hi)
-            audit.on_cached(request.request_id, ident, _weights(),
-                            [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks[lo:hi], lo)
-                             if not b.is_null and b.block_hash is not None])
-        _guard(rt, "identity.cache", note)
+        _guard(rt, "identity.cache", _record_cached, audit, instance, args, kwargs)
     return ret
+
+
+def _record_cached(audit, pool, args, kwargs) -> None:
+    """The producer identity of the blocks a ``cache_full_blocks`` call
+    registered."""
+    v = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
+    lo, hi = v["num_cached_blocks"], v["num_full_blocks"]
+    if lo >= hi:
+        return
+    request, blocks = v["request"], v["blocks"]
+    ident = _chain(request, pool.hash_block_size, hi)
+    audit.on_cached(request.request_id, ident, _weights(),
+                    [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks[lo:hi], lo)
+                     if not b.is_null and b.block_hash is not None])
 
 
 def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
     rt = _rt.get()
     audit = _audit(rt, instance.block_pool) if rt is not None else None
     if audit is not None:
-        caller = sys._getframe(1)
-
-        def check():
-            v = bind_args(args, kwargs, ("request_id", "new_computed_blocks"))
-            hits = v.get("new_computed_blocks")
-            blocks = hits[0] if hits else ()
-            if not blocks:
-                return
-            rid = v["request_id"]
-            request = _request(rid, caller)
-            if request is None:
-                raise LookupError(f"no Request {rid!r} on the calling stack")
-            ident = _chain(request, instance.block_pool.hash_block_size, len(blocks))
-            audit.on_hits(rid, ident, _weights(),
-                          [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
-                           if not b.is_null])
-        _guard(rt, "identity.hit", check)
+        _guard(rt, "identity.hit", _check_hits, audit, instance, args, kwargs,
+               sys._getframe(1))
     return wrapped(*args, **kwargs)
+
+
+def _check_hits(audit, coordinator, args, kwargs, caller) -> None:
+    """The consumer identity of a request's prefix hits against each block's
+    producer (``caller``: the frame that made the call, where the Request is
+    looked for when the scheduler's table does not have it)."""
+    v = bind_args(args, kwargs, ("request_id", "new_computed_blocks"))
+    hits = v.get("new_computed_blocks")
+    blocks = hits[0] if hits else ()
+    if not blocks:
+        return
+    rid = v["request_id"]
+    request = _request(rid, caller)
+    if request is None:
+        raise LookupError(f"no Request {rid!r} on the calling stack")
+    ident = _chain(request, coordinator.block_pool.hash_block_size, len(blocks))
+    audit.on_hits(rid, ident, _weights(),
+                  [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
+                   if not b.is_null])
 
 
 def _collective_rpc(wrapped, instance, args, kwargs):
