@@ -181,22 +181,31 @@ configured(void)
     return 1;
 }
 
-/* the frame ``depth`` levels above the calling Python frame, then the engine
- * frame at or above it; *ok = 0 when the stack is not that deep */
-static _PyInterpreterFrame *
-frame_at(long depth, int *ok, int *err)
+/* the engine frame at or above the frame ``depth_obj`` levels above the
+ * calling Python frame (NULL: none).  Returns 1, 0 when the stack is not that
+ * deep, -1 on error. */
+static int
+frame_at(PyObject *depth_obj, _PyInterpreterFrame **out)
 {
+    *out = NULL;
+    if (!configured()) {
+        return -1;
+    }
+    long depth = PyLong_AsLong(depth_obj);
+    if (depth == -1 && PyErr_Occurred()) {
+        return -1;
+    }
     PyThreadState *ts = PyThreadState_Get();
     _PyInterpreterFrame *f = complete(ts->cframe->current_frame);
     for (long i = 0; i < depth && f != NULL; i++) {
         f = complete(f->previous);
     }
     if (f == NULL) {
-        *ok = 0;
-        return NULL;
+        return 0;
     }
-    *ok = 1;
-    return engine_frame(f, err);
+    int err = 0;
+    *out = engine_frame(f, &err);
+    return err ? -1 : 1;
 }
 
 static PyObject *
@@ -206,19 +215,12 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "context(depth, owner_ctx)");
         return NULL;
     }
-    if (!configured()) {
+    _PyInterpreterFrame *f;
+    int got = frame_at(args[0], &f);
+    if (got < 0) {
         return NULL;
     }
-    long depth = PyLong_AsLong(args[0]);
-    if (depth == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    int ok = 0, err = 0;
-    _PyInterpreterFrame *f = frame_at(depth, &ok, &err);
-    if (err) {
-        return NULL;
-    }
-    if (!ok) {
+    if (got == 0) {
         Py_RETURN_NONE; /* the caller falls back (stack shallower than depth) */
     }
     PyObject *site = site_of(f);
@@ -251,19 +253,11 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 frames_site(PyObject *self, PyObject *arg)
 {
-    if (!configured()) {
+    _PyInterpreterFrame *f;
+    if (frame_at(arg, &f) < 0) {
         return NULL;
     }
-    long depth = PyLong_AsLong(arg);
-    if (depth == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    int ok = 0, err = 0;
-    _PyInterpreterFrame *f = frame_at(depth, &ok, &err);
-    if (err) {
-        return NULL;
-    }
-    return site_of(ok ? f : NULL);
+    return site_of(f);
 }
 
 static PyObject *

@@ -358,6 +358,24 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out)
     return r;
 }
 
+/* the arguments every event method takes: (blocks, owner, step, site), and a
+ * scratch array for the block ids of the call (NULL with an exception) */
+static Py_ssize_t *
+event_args(Table *t, PyObject *args, PyObject **blocks, PyObject **owner, int *step,
+           int *site)
+{
+    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, blocks, owner, step, site)
+        || !table_ok(t)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(*blocks);
+    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
+    if (ids == NULL) {
+        PyErr_NoMemory();
+    }
+    return ids;
+}
+
 /* allocate(blocks, owner, step, site) -> list of evicted block ids, or None
  * (not clean: run the Python checker).  Fresh blocks from the free queue:
  * each unowned in the table, engine count 1, met once. */
@@ -366,15 +384,11 @@ Table_allocate(Table *t, PyObject *args)
 {
     PyObject *blocks, *owner;
     int step, site;
-    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)
-        || !table_ok(t)) {
+    Py_ssize_t *ids = event_args(t, args, &blocks, &owner, &step, &site);
+    if (ids == NULL) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
-    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
-    if (ids == NULL) {
-        return PyErr_NoMemory();
-    }
     int *nown = NOWN(t);
     Py_ssize_t i, marked = 0;
     int clean = 1;
@@ -459,15 +473,11 @@ Table_share(Table *t, PyObject *args)
 {
     PyObject *blocks, *owner;
     int step, site;
-    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, &blocks, &owner, &step, &site)
-        || !table_ok(t)) {
+    Py_ssize_t *ids = event_args(t, args, &blocks, &owner, &step, &site);
+    if (ids == NULL) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
-    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
-    if (ids == NULL) {
-        return PyErr_NoMemory();
-    }
     int *nown = NOWN(t);
     Py_ssize_t i, m = 0;
     int clean = 1;

@@ -102,10 +102,26 @@ class ShadowTable:
             else:
                 extra.append(owner)
         self.nown[b] += 1
-        n = self.held.get(owner, 0)
-        if not n:
+        self._hold(owner, 1)
+
+    def _hold(self, owner: str, n: int) -> None:
+        """``owner`` holds ``n`` more references (since when, if it held none)."""
+        had = self.held.get(owner, 0)
+        if not had:
             self.since[owner] = (_monotonic(), self.clock())
-        self.held[owner] = n + 1
+        self.held[owner] = had + n
+
+    def _unhold(self, owner: str, n: int) -> None:
+        """``owner`` holds ``n`` references fewer; one that holds nothing is
+        forgotten."""
+        left = self.held[owner] - n
+        if left:
+            self.held[owner] = left
+        else:
+            del self.held[owner]
+            self.since.pop(owner, None)
+            self.ended.pop(owner, None)
+            self.nonrequest.discard(owner)
 
     def acquire(self, blocks, owner: str, step: int, site: int) -> None:
         """``owner`` takes one reference on each of ``blocks``, with
@@ -132,10 +148,7 @@ class ShadowTable:
             acq_site[b] = site
             n += 1
         if n:
-            had = self.held.get(owner, 0)
-            if not had:
-                self.since[owner] = (_monotonic(), self.clock())
-            self.held[owner] = had + n
+            self._hold(owner, n)
 
     def acquired(self, owner: str, k: int, newly_owned: int, claimed_cached: int) -> None:
         """Bookkeeping of ``k`` references taken by ``owner`` whose per-block
@@ -145,10 +158,7 @@ class ShadowTable:
         self.n_owned += newly_owned
         self.n_cached_free -= claimed_cached
         if k:
-            had = self.held.get(owner, 0)
-            if not had:
-                self.since[owner] = (_monotonic(), self.clock())
-            self.held[owner] = had + k
+            self._hold(owner, k)
 
     def released(self, owner: str, k: int, unowned: int, unowned_cached: int) -> None:
         """The counterpart of :meth:`acquired` for ``k`` references dropped:
@@ -156,16 +166,8 @@ class ShadowTable:
         them cached."""
         self.n_owned -= unowned
         self.n_cached_free += unowned_cached
-        if not k:
-            return
-        left = self.held[owner] - k
-        if left:
-            self.held[owner] = left
-        else:
-            del self.held[owner]
-            self.since.pop(owner, None)
-            self.ended.pop(owner, None)
-            self.nonrequest.discard(owner)
+        if k:
+            self._unhold(owner, k)
 
     def remove_owner(self, b: int, owner: str) -> bool:
         """Drop one reference of ``owner`` on ``b``; False if it held none."""
@@ -188,14 +190,7 @@ class ShadowTable:
             if not extra:
                 del self.more[b]
         self.nown[b] -= 1
-        left = self.held[owner] - 1
-        if left:
-            self.held[owner] = left
-        else:
-            del self.held[owner]
-            self.since.pop(owner, None)
-            self.ended.pop(owner, None)
-            self.nonrequest.discard(owner)
+        self._unhold(owner, 1)
         return True
 
     def clear_owners(self, b: int) -> list[str]:

@@ -23,6 +23,7 @@ from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS, _guard
 
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
 _lora_epochs: dict[str, int] = {}
+_audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
 #: request id -> (weak reference to its Request, its identity chain).  A
 #: plain dict keyed by the id, the Request's identity checked through the
 #: weak reference: a WeakKeyDictionary lookup builds a weak reference and
@@ -31,12 +32,15 @@ _chains: dict = {}
 
 
 def _forget(rid: str):
+    """The weak reference callback that drops ``rid``'s chain with its
+    Request (unless a newer Request with the same id replaced it)."""
     def drop(ref):
         entry = _chains.get(rid)
         if entry is not None and entry[0] is ref:
             del _chains[rid]
     return drop
-_audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
+
+
 WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
                "update_weights_from", "init_weight_transfer")
 
