@@ -56,6 +56,17 @@ def kcu(monkeypatch):
     return kcu
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["native", "python"])
+def native(request, rt):
+    """Every scenario with kvsan's C paths (the default) and with the Python
+    ones (KVSAN_NATIVE=0): both must find the same mismatches."""
+    from kvsan import hooks
+
+    hooks.use_native(request.param)
+    yield request.param
+    hooks.use_native(rt.config.native)
+
+
 def fields_of(rt):
     return {tuple(v.details[0]["fields"]) for v in mismatches(rt)}
 

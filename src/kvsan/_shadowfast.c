@@ -987,7 +987,245 @@ error:
     return NULL;
 }
 
+/* ---- identity audit: producer records and hit checks over vLLM's blocks ----
+ * kvsan.checks.identity.IdentityAudit keeps, per cached block, its producer
+ * as a tuple (engine key, producer, RequestIdentity, index, weights digest).
+ * These two functions do what the adapter's list comprehensions and
+ * IdentityAudit.on_cached / on_hits do, reading the blocks here; a mismatch
+ * is returned to Python, which reports it with the same code. */
+
+static PyObject *s_tok, *s_static, *s_mm, *s_emb;
+
+/* identity_record(producers, producer, ident, weights, blocks, lo, hi) -> None:
+ * blocks[lo:hi] cached by ``producer``; a block keeps its first producer
+ * while its key is unchanged */
+static PyObject *
+identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7 || !PyDict_CheckExact(args[0]) || !PyList_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "identity_record(producers: dict, producer, ident, weights, "
+                        "blocks: list, lo, hi)");
+        return NULL;
+    }
+    PyObject *producers = args[0], *blocks = args[4];
+    Py_ssize_t lo = PyLong_AsSsize_t(args[5]), hi = PyLong_AsSsize_t(args[6]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (lo < 0) {
+        lo = 0;
+    }
+    for (Py_ssize_t i = lo; i < hi && i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *blk = Py_NewRef(PyList_GET_ITEM(blocks, i));
+        PyObject *key = NULL, *id = NULL, *rec = NULL;
+        int isnull = attr_true(blk, A_IS_NULL);
+        if (isnull < 0) {
+            goto fail;
+        }
+        if (isnull) {
+            Py_DECREF(blk);
+            continue;
+        }
+        key = get_field(blk, A_BLOCK_HASH);
+        if (key == NULL) {
+            goto fail;
+        }
+        if (key == Py_None) {
+            Py_DECREF(key);
+            Py_DECREF(blk);
+            continue;
+        }
+        id = get_field(blk, A_BLOCK_ID);
+        if (id == NULL) {
+            goto fail;
+        }
+        PyObject *known = PyDict_GetItemWithError(producers, id); /* borrowed */
+        if (known == NULL && PyErr_Occurred()) {
+            goto fail;
+        }
+        int same = 0;
+        if (known != NULL && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 5) {
+            same = PyObject_RichCompareBool(PyTuple_GET_ITEM(known, 0), key, Py_EQ);
+            if (same < 0) {
+                goto fail;
+            }
+        }
+        if (!same) {
+            rec = Py_BuildValue("(OOOnO)", key, args[1], args[2], i, args[3]);
+            if (rec == NULL || PyDict_SetItem(producers, id, rec) < 0) {
+                goto fail;
+            }
+            Py_DECREF(rec);
+        }
+        Py_DECREF(id);
+        Py_DECREF(key);
+        Py_DECREF(blk);
+        continue;
+    fail:
+        Py_XDECREF(rec);
+        Py_XDECREF(id);
+        Py_XDECREF(key);
+        Py_DECREF(blk);
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* item ``i`` of list attribute ``name`` of ``obj`` (new reference), or NULL
+ * (*err set on a Python error; unset: not a list or out of range) */
+static PyObject *
+list_item(PyObject *obj, PyObject *name, Py_ssize_t i, int *err)
+{
+    PyObject *lst = PyObject_GetAttr(obj, name);
+    if (lst == NULL) {
+        *err = 1;
+        return NULL;
+    }
+    PyObject *v = NULL;
+    if (PyList_Check(lst) && i >= 0 && i < PyList_GET_SIZE(lst)) {
+        v = Py_NewRef(PyList_GET_ITEM(lst, i));
+    }
+    Py_DECREF(lst);
+    return v;
+}
+
+/* 1: block ``k`` of chain ``a`` has the inputs of block ``i`` of chain ``b``
+ * (RequestIdentity.same), 0: not, -1: error, -2: cannot tell here */
+static int
+same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
+{
+    PyObject *names[3] = {s_tok, s_mm, s_emb};
+    for (int n = 0; n < 3; n++) {
+        int err = 0;
+        PyObject *x = list_item(a, names[n], k, &err);
+        PyObject *y = x == NULL ? NULL : list_item(b, names[n], i, &err);
+        if (x == NULL || y == NULL) {
+            Py_XDECREF(x);
+            return err ? -1 : -2;
+        }
+        int r = PyObject_RichCompareBool(x, y, Py_EQ);
+        Py_DECREF(x);
+        Py_DECREF(y);
+        if (r <= 0) {
+            return r;
+        }
+        if (n == 0) { /* static digests: shared tuples, compared by identity first */
+            PyObject *sa = PyObject_GetAttr(a, s_static);
+            PyObject *sb = sa == NULL ? NULL : PyObject_GetAttr(b, s_static);
+            int eq = sb == NULL ? -1 : PyObject_RichCompareBool(sa, sb, Py_EQ);
+            Py_XDECREF(sa);
+            Py_XDECREF(sb);
+            if (eq <= 0) {
+                return eq;
+            }
+        }
+    }
+    return 1;
+}
+
+/* identity_hits(producers, ident, weights, blocks) -> (blocks compared,
+ * [(index, block, key, producer record) of each mismatch]), or None (the
+ * Python check must run) */
+static PyObject *
+identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "identity_hits(producers: dict, ident, weights, blocks: list)");
+        return NULL;
+    }
+    PyObject *producers = args[0], *ident = args[1], *weights = args[2], *blocks = args[3];
+    PyObject *mism = PyList_New(0);
+    if (mism == NULL) {
+        return NULL;
+    }
+    Py_ssize_t checked = 0;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
+        PyObject *blk = Py_NewRef(PyList_GET_ITEM(blocks, i));
+        PyObject *key = NULL, *id = NULL, *known = NULL;
+        int isnull = attr_true(blk, A_IS_NULL);
+        if (isnull < 0) {
+            goto fail;
+        }
+        if (isnull) {
+            Py_DECREF(blk);
+            continue;
+        }
+        id = get_field(blk, A_BLOCK_ID);
+        key = id == NULL ? NULL : get_field(blk, A_BLOCK_HASH);
+        if (key == NULL) {
+            goto fail;
+        }
+        known = PyDict_GetItemWithError(producers, id);
+        if (known == NULL) {
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            goto next; /* cached on a path kvsan did not see */
+        }
+        Py_INCREF(known);
+        if (key == Py_None || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 5) {
+            goto next;
+        }
+        int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(known, 0), key, Py_EQ);
+        if (eq < 0) {
+            goto fail;
+        }
+        if (!eq) {
+            goto next;
+        }
+        checked++;
+        PyObject *pweights = PyTuple_GET_ITEM(known, 4);
+        int ok = pweights == weights ? 1 : PyObject_RichCompareBool(pweights, weights, Py_EQ);
+        if (ok == 1) {
+            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 3));
+            if (k == -1 && PyErr_Occurred()) {
+                goto fail;
+            }
+            ok = same_inputs(PyTuple_GET_ITEM(known, 2), k, ident, i);
+        }
+        if (ok == -2) { /* a chain shorter than its index: let Python look */
+            Py_DECREF(known);
+            Py_DECREF(key);
+            Py_DECREF(id);
+            Py_DECREF(blk);
+            Py_DECREF(mism);
+            Py_RETURN_NONE;
+        }
+        if (ok < 0) {
+            goto fail;
+        }
+        if (!ok) {
+            PyObject *m = Py_BuildValue("(nOOO)", i, id, key, known);
+            if (m == NULL || PyList_Append(mism, m) < 0) {
+                Py_XDECREF(m);
+                goto fail;
+            }
+            Py_DECREF(m);
+        }
+    next:
+        Py_XDECREF(known);
+        Py_DECREF(key);
+        Py_DECREF(id);
+        Py_DECREF(blk);
+        continue;
+    fail:
+        Py_XDECREF(known);
+        Py_XDECREF(key);
+        Py_XDECREF(id);
+        Py_DECREF(blk);
+        Py_DECREF(mism);
+        return NULL;
+    }
+    return Py_BuildValue("(nN)", checked, mism);
+}
+
 static PyMethodDef module_methods[] = {
+    {"identity_record", (PyCFunction)(void (*)(void))identity_record, METH_FASTCALL,
+     "identity_record(producers, producer, ident, weights, blocks, lo, hi) -> None"},
+    {"identity_hits", (PyCFunction)(void (*)(void))identity_hits, METH_FASTCALL,
+     "identity_hits(producers, ident, weights, blocks) -> (compared, mismatches) or None"},
     {"read_pool", read_pool, METH_O,
      "read_pool(blocks) -> (int64 ref counts as bytes, free-queue flags as bytes), or None"},
     {NULL, NULL, 0, NULL},
@@ -1024,6 +1262,13 @@ PyInit__shadowfast(void)
         if (names[i] == NULL) {
             return NULL;
         }
+    }
+    s_tok = PyUnicode_InternFromString("tok");
+    s_static = PyUnicode_InternFromString("static");
+    s_mm = PyUnicode_InternFromString("mm");
+    s_emb = PyUnicode_InternFromString("emb");
+    if (!s_tok || !s_static || !s_mm || !s_emb) {
+        return NULL;
     }
     PyObject *m = PyModule_Create(&shadowfast_module);
     if (m == NULL) {

@@ -180,9 +180,12 @@ class IdentityAudit:
             self.checked += 1
             if not ((known[4] is weights or known[4] == weights)
                     and known[2].same(known[3], ident, i)):
-                self._mismatch(block, key, consumer, ident, i, weights, known)
+                self.mismatch(block, key, consumer, ident, i, weights, known)
 
-    def _mismatch(self, block, key, consumer, ident, i, weights, known) -> None:
+    def mismatch(self, block, key, consumer, ident, i, weights, known) -> None:
+        """Report that ``consumer`` (chain ``ident``, prefix block ``i``)
+        was served ``block`` whose producer record ``known`` has other
+        inputs (also called by an adapter that compared the records itself)."""
         _, producer, pident, k, pweights = known
         theirs, ours = pident.fields(k, pweights), ident.fields(i, weights)
         differ = [f for f, a, b in zip(FIELDS, theirs, ours) if a != b]

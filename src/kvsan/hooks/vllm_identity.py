@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 import weakref
 
+from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
 from . import Target, bind_args, instrument, request_on_stack, uninstrument
@@ -185,6 +186,11 @@ def _record_cached(audit, pool, args, kwargs) -> None:
         return
     request, blocks = v["request"], v["blocks"]
     ident = _chain(request, pool.hash_block_size, hi)
+    fast = _hooks.SHADOWFAST
+    if fast is not None and type(blocks) is list:  # the same records, read in C
+        fast.identity_record(audit.producers, request.request_id, ident, _weights(),
+                             blocks, lo, hi)
+        return
     audit.on_cached(request.request_id, ident, _weights(),
                     [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks[lo:hi], lo)
                      if not b.is_null and b.block_hash is not None])
@@ -213,9 +219,19 @@ def _check_hits(audit, coordinator, args, kwargs, caller) -> None:
     if request is None:
         raise LookupError(f"no Request {rid!r} on the calling stack")
     ident = _chain(request, coordinator.block_pool.hash_block_size, len(blocks))
-    audit.on_hits(rid, ident, _weights(),
-                  [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
-                   if not b.is_null])
+    weights = _weights()
+    fast = _hooks.SHADOWFAST
+    got = (fast.identity_hits(audit.producers, ident, weights, blocks)
+           if fast is not None and type(blocks) is list else None)
+    if got is None:
+        audit.on_hits(rid, ident, weights,
+                      [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
+                       if not b.is_null])
+        return
+    compared, mismatches = got  # compared in C; each mismatch reported as on_hits does
+    audit.checked += compared
+    for i, block, key, known in mismatches:
+        audit.mismatch(block, key, rid, ident, i, weights, known)
 
 
 def _collective_rpc(wrapped, instance, args, kwargs):
