@@ -44,7 +44,10 @@ def _context(rt) -> tuple[str, str | None]:
     innermost explicit owner context (``rt.owner_ctx``), else the request of
     the innermost owner frame on the engine's stack (see
     :data:`kvsan.hooks.OWNER_FRAMES`), else None."""
-    got = call_context(2, rt.owner_ctx)
+    native = _hooks.NATIVE
+    # the native reader called from here directly (one Python frame fewer):
+    # depth 2 from this frame is what call_context(2) reaches through its own
+    got = native.context(2, rt.owner_ctx) if native is not None else call_context(2, rt.owner_ctx)
     return got if got is not None else ("?", rt.current_owner())
 
 
@@ -119,29 +122,30 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
         if owner is None:
             owner = f"anon:{site}"
             ck.shadow.nonrequest.add(owner)
-        evicted = _guard(rt, "get_new_blocks", _allocated, ck, ret, owner, site)
+        evicted = _guard(rt, "get_new_blocks", _allocated, ck, ret, owner, site, rt.step)
         if evicted:
             rt.journal.uncached.extend(evicted)
     return ret
 
 
-def _allocated(ck, blocks, owner: str, site: str):
-    """Fresh blocks handed to ``owner``: the native clean path when it
-    applies, else the checker.  Returns the blocks evicted to be reused."""
+def _allocated(ck, blocks, owner: str, site: str, step: int):
+    """Fresh blocks handed to ``owner`` at scheduler step ``step``: the
+    native clean path when it applies, else the checker.  Returns the blocks
+    evicted to be reused."""
     fast = ck.fast
     if fast is not None and type(blocks) is list:
-        evicted = fast.allocate(blocks, owner, ck.step(), ck.shadow.site_id(site))
+        evicted = fast.allocate(blocks, owner, step, ck.shadow.site_id(site))
         if evicted is not None:
             ck.applied_allocate(owner, len(blocks), evicted)
             return evicted
     return ck.on_allocate([(b.block_id, b.ref_cnt) for b in blocks], owner, site)
 
 
-def _shared(ck, blocks: list, owner: str, site: str) -> None:
+def _shared(ck, blocks: list, owner: str, site: str, step: int) -> None:
     """Cached blocks taken by ``owner`` (prefix hit or pin)."""
     fast = ck.fast
     if fast is not None:
-        got = fast.share(blocks, owner, ck.step(), ck.shadow.site_id(site))
+        got = fast.share(blocks, owner, step, ck.shadow.site_id(site))
         if got is not None:
             ck.applied_share(owner, *got)
             return
@@ -161,7 +165,7 @@ def _touch(wrapped, instance, args, kwargs):
     if owner is None:
         owner = f"pin:{site}"
         ck.shadow.nonrequest.add(owner)
-    _guard(rt, "touch", _shared, ck, blocks, owner, site)
+    _guard(rt, "touch", _shared, ck, blocks, owner, site, rt.step)
     return ret
 
 
@@ -193,13 +197,13 @@ def _release_obs(instance, blocks, pre):
     return obs
 
 
-def _released(ck, blocks: list, snap: list, owner: str | None, site: str):
+def _released(ck, blocks: list, snap: list, owner: str | None, site: str, step: int):
     """References dropped, on the native clean path: the blocks that left
     every owner uncached (for the worker), or None when the event is not
     clean (or the releaser is unknown) and the checker must look at it."""
     if owner is None:
         return None
-    got = ck.fast.release(blocks, snap, owner, ck.step(), ck.shadow.site_id(site))
+    got = ck.fast.release(blocks, snap, owner, step, ck.shadow.site_id(site))
     if got is None:
         return None
     k, freed, unowned, unowned_cached = got
@@ -230,7 +234,7 @@ def _make_release(arg_name: str):
         ret = wrapped(blocks, *rest, **kw)
         site, owner = _context(rt)
         if snap is not None:
-            freed = _guard(rt, arg_name, _released, ck, blocks, snap, owner, site)
+            freed = _guard(rt, arg_name, _released, ck, blocks, snap, owner, site, rt.step)
             if freed is not None:
                 if freed:
                     rt.journal.freed.extend(freed)
