@@ -17,6 +17,11 @@
  * Python code (tests/test_shadowfast.py drives both on the same sequences
  * and compares the whole table).  Per-owner bookkeeping (held counts,
  * since) and the counters stay in Python: one dict update per call.
+ *
+ * The module also holds the other loops over vLLM's blocks on the hot path,
+ * which read the same block fields: the full audit's pool read
+ * (``read_pool``) and the identity audit's producer records and hit checks
+ * (``identity_record``, ``identity_hits``, whose mismatches Python reports).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
