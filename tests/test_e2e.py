@@ -44,6 +44,25 @@ def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
     # kvsan ran inside the EngineCore process, not only in the front end
     assert ("engine" in roles(str(tmp_path))) != in_process
     assert kvsan_check(str(tmp_path)).returncode == 0
+    if sys.version_info[:2] == (3, 11):  # with its C speed-ups, in every process
+        assert all(r["native"] is True for r in installed(str(tmp_path)))
+
+
+def installed(path):
+    return [r for r in read_records(path) if r.get("event") == "kvsan.installed"]
+
+
+def test_python_paths_in_the_engine_process(model, tmp_path, monkeypatch):
+    """KVSAN_NATIVE=0 reaches the spawned EngineCore: it runs the pure-Python
+    paths (its ``kvsan.installed`` record says so) and reports the same fault."""
+    monkeypatch.setenv("KVSAN_NATIVE", "0")
+    run_once(model, str(tmp_path), seed=1, inject="double_unref_on_abort", in_process=False)
+    records = installed(str(tmp_path))
+    assert {r["role"] for r in records} >= {"engine"}
+    assert all(r["native"] is False for r in records)
+    fwl = [v for v in violations(str(tmp_path)) if v["kind"] == "free_with_live_owners"]
+    assert fwl and fwl[0]["role"] == "engine" and fwl[0]["owners"]
+    assert fwl[0]["site"].startswith("faults.py:_double_unref_on_abort")
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["multiprocess", "inprocess"])
