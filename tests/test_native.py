@@ -44,7 +44,7 @@ def _table_state(ck) -> dict:
         "more": {b: list(v) for b, v in sh.more.items()},
         "nown": list(sh.nown),
         "cached": bytes(sh.cached),
-        "hashes": [None if h is None else bytes(str(h), "utf8") for h in sh.hashes],
+        "hashes": list(sh.hashes),
         "acq": [(sh.acq_owner[b], sh.acq_step[b], sh.sites[sh.acq_site[b]]) for b in range(n)],
         "rel": [(sh.rel_owner[b], sh.rel_step[b], sh.sites[sh.rel_site[b]]) for b in range(n)],
         "held": dict(sh.held),

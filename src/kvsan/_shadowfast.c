@@ -279,6 +279,22 @@ attr_true(PyObject *obj, int name)
 }
 
 /* 1: ``b`` is one of the table's null blocks or in the mismatch set */
+/* a block's id and engine count: 1 both read and the id within the table,
+ * 0 not usable here (not ints, or an id out of range: the Python path), -1
+ * error */
+static int
+id_and_ref(Table *t, PyObject *blk, Py_ssize_t *b, Py_ssize_t *ref)
+{
+    int r = int_attr(blk, A_BLOCK_ID, b);
+    if (r == 0) {
+        r = int_attr(blk, A_REF_CNT, ref);
+    }
+    if (r < 0) {
+        return -1;
+    }
+    return r == 0 && *b >= 0 && *b < t->n;
+}
+
 static inline int
 is_null_id(Table *t, Py_ssize_t b)
 {
@@ -400,14 +416,11 @@ Table_allocate(Table *t, PyObject *args)
     for (i = 0; i < k && clean; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
         Py_ssize_t b, ref;
-        int r = int_attr(blk, A_BLOCK_ID, &b);
-        if (r == 0) {
-            r = int_attr(blk, A_REF_CNT, &ref);
-        }
+        int r = id_and_ref(t, blk, &b, &ref);
         if (r < 0) {
             goto error;
         }
-        if (r > 0 || b < 0 || b >= t->n || ref != 1 || nown[b] != 0 || t->seen[b]
+        if (!r || ref != 1 || nown[b] != 0 || t->seen[b]
             || PyList_GET_ITEM(t->own0, b) != Py_None) {
             clean = 0;
             break;
@@ -496,18 +509,15 @@ Table_share(Table *t, PyObject *args)
             continue; /* the hook leaves null blocks out */
         }
         Py_ssize_t b, ref;
-        int r = int_attr(blk, A_BLOCK_ID, &b);
-        if (r == 0) {
-            r = int_attr(blk, A_REF_CNT, &ref);
-        }
+        int r = id_and_ref(t, blk, &b, &ref);
         if (r < 0) {
             goto error;
         }
-        int unlinked = r == 0 ? attr_is_none(blk, A_PREV_FREE) : 1;
+        int unlinked = r ? attr_is_none(blk, A_PREV_FREE) : 1;
         if (unlinked < 0) {
             goto error;
         }
-        if (r > 0 || !unlinked || b < 0 || b >= t->n || t->seen[b] || ref != nown[b] + 1) {
+        if (!r || !unlinked || t->seen[b] || ref != nown[b] + 1) {
             clean = 0;
             break;
         }
@@ -630,20 +640,17 @@ Table_snapshot(Table *t, PyObject *args)
             continue;
         }
         Py_ssize_t b, ref;
-        int r = int_attr(blk, A_BLOCK_ID, &b);
-        if (r == 0) {
-            r = int_attr(blk, A_REF_CNT, &ref);
-        }
+        int r = id_and_ref(t, blk, &b, &ref);
         if (r < 0) {
             err = 1;
             break;
         }
-        int unlinked = r == 0 ? attr_is_none(blk, A_PREV_FREE) : 1;
+        int unlinked = r ? attr_is_none(blk, A_PREV_FREE) : 1;
         if (unlinked < 0) {
             err = 1;
             break;
         }
-        if (r > 0 || b < 0 || b >= t->n || t->seen[b]) {
+        if (!r || t->seen[b]) {
             clean = 0;
             break;
         }
@@ -709,15 +716,11 @@ Table_release(Table *t, PyObject *args)
         }
         int linked_before = (int)(before & 1);
         Py_ssize_t ref_before = (before - linked_before) / 2;
-        int r = int_attr(blk, A_BLOCK_ID, &b);
-        if (r == 0) {
-            r = int_attr(blk, A_REF_CNT, &ref);
-        }
+        int r = id_and_ref(t, blk, &b, &ref);
         if (r < 0) {
             goto error;
         }
-        if (r > 0 || b < 0 || b >= t->n || ref != ref_before - 1 || ref < 0
-            || ref != nown[b] - 1) {
+        if (!r || ref != ref_before - 1 || ref < 0 || ref != nown[b] - 1) {
             goto slow;
         }
         PyObject *extra;

@@ -81,6 +81,10 @@ class AllocatorChecker:
         self.counters["released"] += k
         self.shadow.released(owner, k, unowned, unowned_cached)
 
+    def applied_cache(self, unowned: int) -> None:
+        """Blocks given a cache key, ``unowned`` of them newly cached free."""
+        self.shadow.n_cached_free += unowned
+
     # -- reporting helper ---------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, site):
         sh = self.shadow

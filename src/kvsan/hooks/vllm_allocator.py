@@ -44,10 +44,7 @@ def _context(rt) -> tuple[str, str | None]:
     innermost explicit owner context (``rt.owner_ctx``), else the request of
     the innermost owner frame on the engine's stack (see
     :data:`kvsan.hooks.OWNER_FRAMES`), else None."""
-    native = _hooks.NATIVE
-    # the native reader called from here directly (one Python frame fewer):
-    # depth 2 from this frame is what call_context(2) reaches through its own
-    got = native.context(2, rt.owner_ctx) if native is not None else call_context(2, rt.owner_ctx)
+    got = call_context(2, rt.owner_ctx)
     return got if got is not None else ("?", rt.current_owner())
 
 
@@ -271,7 +268,7 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
             if got is not None:
                 ids, unowned = got
                 rt.journal.cached.extend(ids)
-                ck.shadow.n_cached_free += unowned
+                ck.applied_cache(unowned)
                 return
             items = [(b.block_id, b.block_hash) for b in blocks
                      if b.block_hash is not None and not b.is_null]
