@@ -14,5 +14,6 @@ setup(
         Extension("kvsan._frames", ["src/kvsan/_frames.c"], optional=True),
         Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], optional=True),
         Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], optional=True),
+        Extension("kvsan._devicefast", ["src/kvsan/_devicefast.c"], optional=True),
     ],
 )

@@ -5,7 +5,10 @@ corruption even when every allocator call was right (a bad block table, a
 bad slot mapping, a kernel or copy writing where it should not).
 
 Engine-agnostic: it works on block ids, request ids and the per-layer cache
-tensors (block-major: dim 0 is the block), with torch ops only.
+tensors (block-major: dim 0 is the block), with torch ops only; on a CPU
+device its lookup tables are also read and written through numpy views of
+the same memory (a scalar numpy write costs about 0.1 µs, a torch one 3 µs,
+and the step's checks are dozens of small operations).
 
 * **worker view**: which requests hold which blocks, from what the scheduler
   sent this worker (new / appended / resumed / finished / preempted);
@@ -32,19 +35,64 @@ from __future__ import annotations
 
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 import torch
 
 from .. import kinds
 from ..report import Violation
+from . import native
 
 _NONE = -1
 
+#: a table operation on at most this many blocks goes through a memoryview
+#: item by item (no library call); longer ones through numpy
+_LOOP_MAX = 32
 
-def _as_int_view(x: torch.Tensor) -> torch.Tensor:
-    """Bit-exact integer view of a float/int tensor (NaN patterns included)."""
-    size = x.element_size()
-    dtype = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}[size]
-    return x.contiguous().view(dtype)
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's output function over uint64 ``x``, with the low bit set."""
+    x = x * np.uint64(0x9E3779B97F4A7C15) + np.uint64(0x6B7673616E)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))) | np.uint64(1)
+
+
+#: the checksum's weights repeat every this many words, each period times
+#: its own odd multiplier (a short table stays in L1 while a row streams by)
+WEIGHT_PERIOD = 1024
+#: the odd weights of one period, and the odd multiplier of each period
+PERIOD_WEIGHTS = _splitmix64(np.arange(1, WEIGHT_PERIOD + 1, dtype=np.uint64)).view(np.int64)
+
+
+def chunk_multipliers(n: int) -> np.ndarray:
+    """The odd multipliers of the first ``n`` periods of weights."""
+    return _splitmix64(np.arange(1, n + 1, dtype=np.uint64) << np.uint64(32)).view(np.int64)
+
+
+def weights(n: int) -> np.ndarray:
+    """The checksum's odd 64-bit weights of words 0..n-1: word i's is
+    ``PERIOD_WEIGHTS[i % P] * chunk_multipliers(..)[i // P]`` modulo 2^64
+    (odd times odd: a change to any single word always changes the sum).
+    A prefix of one fixed sequence, the same on every path."""
+    periods = -(-n // WEIGHT_PERIOD)
+    w = (np.tile(PERIOD_WEIGHTS.view(np.uint64), periods)[:n]
+         * np.repeat(chunk_multipliers(periods).view(np.uint64), WEIGHT_PERIOD)[:n])
+    return w.view(np.int64)
+
+
+_WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
+
+
+def _as_words(rows: torch.Tensor) -> torch.Tensor:
+    """Each row's raw bytes as int64 words, bit-exact (NaN patterns
+    included): 64-bit words wherever the row's size allows, so a
+    half-precision cache is summed as a quarter as many words, without a
+    widening conversion per element."""
+    rows = rows.contiguous().reshape(rows.shape[0], -1)
+    nbytes = rows.shape[1] * rows.element_size()
+    size, dtype = next(w for w in _WORDS if nbytes % w[0] == 0)
+    words = rows.view(torch.uint8).view(dtype)
+    return words if dtype is torch.int64 else words.to(torch.int64)
 
 
 class DeviceChecker:
@@ -59,6 +107,7 @@ class DeviceChecker:
         poison: bool = False,
         device: torch.device | str = "cpu",
         null_blocks: Iterable[int] = (0,),
+        host_tables: bool | None = None,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -84,15 +133,29 @@ class DeviceChecker:
         #: slots of each block written since it was last handed out; a block
         #: is written once all ``block_size`` slots are (or it was copied)
         self.fill = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
+        #: numpy views of (lut, fill, sealed_mask), sharing their memory, when
+        #: the tables live in host memory (``host_tables`` None: on a CPU
+        #: device); None: every table operation is a torch op on the device
+        host = self.device.type == "cpu" if host_tables is None else host_tables
+        self._np = (self.lut.numpy(), self.fill.numpy(), self.sealed_mask.numpy()) \
+            if host else None
+        #: the same tables as memoryviews, for item-by-item access to few blocks
+        self._mv = tuple(memoryview(a) for a in self._np) if host else None
+        #: ``kvsan._devicefast`` for the guard and checksums on host tables
+        self._fast = native.DEVICEFAST if host else None
         #: prefix hits served this step, checked once this step's writes are known
         self.step_hits: list[tuple[str, int]] = []
         # sealing and checksums
         self.sealed: dict[int, int] = {}  # block -> step its writer completed
         self.pending_seal: list[int] = []
-        self.sums: dict[int, torch.Tensor] = {}  # block -> (layers,) int64
+        self.sums: dict[int, tuple] = {}  # block -> per-layer checksums
         self._cursor = 0
         self._tick = 0
         self._weights: dict[int, torch.Tensor] = {}
+        self._chunks_host = chunk_multipliers(0)
+        #: (layers list, its host arrays or None): the numpy views the native
+        #: checksums read, made once per list of cache tensors
+        self._host_layers: tuple = (None, None)
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0}
 
@@ -115,10 +178,39 @@ class DeviceChecker:
             self._rid_int[rid] = i
         return i
 
-    def _set_producer(self, b: int, rid: str | None) -> None:
-        """Only a block's producer (the request it was freshly allocated to)
-        may write it, and only until it is sealed; prefix hitters never may."""
-        self.lut[b] = _NONE if rid is None else self._rint(rid)
+    def _put(self, which: int, blocks: list[int], values) -> None:
+        """``table[blocks] = values`` (one value, or one per block) for table
+        ``which`` of (lut, fill, sealed_mask): through its numpy view, else
+        one indexed write on the device (not one per block)."""
+        if not blocks:
+            return
+        if self._np is not None:
+            if len(blocks) > _LOOP_MAX:
+                self._np[which][blocks] = values
+                return
+            mv = self._mv[which]
+            if isinstance(values, list):
+                for b, v in zip(blocks, values):
+                    mv[b] = v
+            else:
+                for b in blocks:
+                    mv[b] = values
+            return
+        table = (self.lut, self.fill, self.sealed_mask)[which]
+        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        if isinstance(values, list):
+            values = torch.as_tensor(values, dtype=table.dtype, device=self.device)
+        table[idx] = values
+
+    def _read(self, which: int, blocks: list[int]) -> list:
+        """``table[blocks]`` of table ``which`` as a list of Python values."""
+        if self._np is not None:
+            if len(blocks) > _LOOP_MAX:
+                return self._np[which][blocks].tolist()
+            mv = self._mv[which]
+            return [mv[b] for b in blocks]
+        table = (self.lut, self.fill, self.sealed_mask)[which]
+        return table[torch.as_tensor(blocks, dtype=torch.long, device=self.device)].tolist()
 
     def drop_request(self, rid: str) -> None:
         me = self._rid_int.pop(rid, None)
@@ -132,9 +224,15 @@ class DeviceChecker:
         if me is None:
             return
         if blocks:  # the blocks it produced have no producer now (one small op, no sync)
-            idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
-            lut = self.lut
-            lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
+            if self._np is not None:
+                lut = self._mv[0]
+                for b in blocks:
+                    if lut[b] == me:
+                        lut[b] = _NONE
+            else:
+                idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+                lut = self.lut
+                lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
         self._int_rid[me] = None
         self._free_ints.append(me)
 
@@ -145,7 +243,7 @@ class DeviceChecker:
         and cached for one request may be hit by another in the same step
         (legal), but must not still be held from an earlier step.
         Returns (hits as (rid, block), fresh blocks)."""
-        hits, fresh = [], []
+        hits, fresh, producers, unsealed = [], [], [], []
         for rid, blocks, n_hits in adds:
             mine = self.req_blocks.setdefault(rid, [])
             for b in blocks[n_hits:]:
@@ -153,7 +251,6 @@ class DeviceChecker:
                 if b in self.null:
                     continue
                 fresh.append(b)
-                self.fill[b] = 0
                 h = self.holders.setdefault(b, set())
                 others = h - {rid}
                 if others:
@@ -164,9 +261,14 @@ class DeviceChecker:
                         "block tables",
                         [b], others, rid)
                 if b in self.sealed:
-                    self._unseal(b)  # a fresh block was evicted by the allocator
+                    unsealed.append(b)  # a fresh block was evicted by the allocator
                 h.add(rid)
-                self._set_producer(b, rid)
+                # only a block's producer (the request it was freshly
+                # allocated to) may write it, and only until it is sealed
+                producers.append(self._rint(rid))
+        self._unseal(unsealed)
+        self._put(1, fresh, 0)  # written from scratch
+        self._put(0, fresh, producers)
         for rid, blocks, n_hits in adds:
             mine = self.req_blocks[rid]
             for b in blocks[:n_hits]:
@@ -178,20 +280,23 @@ class DeviceChecker:
         return hits, fresh
 
     # -- sealing --------------------------------------------------------------
-    def _unseal(self, b: int) -> None:
-        self.sealed.pop(b, None)
-        self.sums.pop(b, None)
-        self.sealed_mask[b] = False
+    def _unseal(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.sealed.pop(b, None)
+            self.sums.pop(b, None)
+        self._put(2, blocks, False)
 
     def uncache(self, blocks: Iterable[int]) -> None:
-        for b in blocks:
-            self._unseal(b)
-            if b in self.pending_seal:
-                self.pending_seal.remove(b)
+        blocks = list(blocks)
+        if not blocks:
+            return
+        self._unseal(blocks)
+        if self.pending_seal:
+            gone = set(blocks)
+            self.pending_seal = [b for b in self.pending_seal if b not in gone]
 
     def uncache_all(self) -> None:
-        for b in list(self.sealed):
-            self._unseal(b)
+        self._unseal(list(self.sealed))
         self.pending_seal.clear()
 
     def will_seal(self, blocks: Iterable[int]) -> None:
@@ -200,39 +305,69 @@ class DeviceChecker:
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
         if w is None:
-            g = torch.Generator().manual_seed(0x6B7673616E)
-            w = (torch.randint(1, 2**31 - 1, (n,), generator=g, dtype=torch.int64) * 2 + 1)
-            w = self._weights[n] = w.to(self.device)
+            w = self._weights[n] = torch.from_numpy(weights(n)).to(self.device)
         return w
 
-    def checksums(self, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> torch.Tensor:
-        """(len(blocks), len(layers)) int64, one batched gather per layer."""
-        idx = torch.as_tensor(list(blocks), dtype=torch.long, device=self.device)
+    def _native_sums(self, layers: Sequence[torch.Tensor], blocks: list[int]):
+        """:meth:`checksums` in one C call over numpy views of the cache
+        tensors, or None where it does not apply (not host memory, rows
+        not contiguous)."""
+        if self._host_layers[0] is not layers:
+            try:
+                host = [t.detach().numpy() for t in layers]
+            except (RuntimeError, TypeError):  # not in host memory, or no numpy dtype
+                host = None
+            if host is not None:
+                longest = max((a[0].nbytes if len(a) else 0) for a in host)  # words, at most
+                periods = -(-longest // WEIGHT_PERIOD)
+                if len(self._chunks_host) < periods:
+                    self._chunks_host = chunk_multipliers(periods)
+            self._host_layers = (layers, host)
+        host = self._host_layers[1]
+        if host is None:
+            return None
+        return self._fast.checksums(host, blocks, PERIOD_WEIGHTS, self._chunks_host)
+
+    def checksums(self, layers: Sequence[torch.Tensor], blocks: Sequence[int]) -> list[tuple]:
+        """Per block, a tuple of per-layer checksums: the weighted sum,
+        modulo 2^64, of the block's raw words (the widest of 8/4/2/1 bytes
+        dividing its row) with odd :func:`weights`, so a change to any one
+        word always changes it.  In C over host memory where
+        ``kvsan._devicefast`` is in use; else one batched gather per layer
+        and a matrix-vector product on CPU (20x faster than widening every
+        element), a multiply and sum elsewhere (CUDA has no integer matrix
+        product).  Both give the same values."""
+        blocks = list(blocks)
+        if self._fast is not None:
+            got = self._native_sums(layers, blocks)
+            if got is not None:
+                return got
+        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
         cols = []
         for t in layers:
-            rows = _as_int_view(t.index_select(0, idx)).reshape(len(blocks), -1)
-            cols.append((rows.to(torch.int64) * self._w(rows.shape[1])).sum(1))
-        return torch.stack(cols, 1)
+            rows = _as_words(t.index_select(0, idx))
+            w = self._w(rows.shape[1])
+            cols.append(torch.mv(rows, w) if rows.device.type == "cpu" else (rows * w).sum(1))
+        return [tuple(r) for r in torch.stack(cols, 1).tolist()]
 
     def seal(self, layers: Sequence[torch.Tensor]) -> None:
         """After a step executed: its freshly cached blocks are now written."""
         if not self.pending_seal:
             return
         pending = list(dict.fromkeys(self.pending_seal))
-        full = (self.fill[torch.as_tensor(pending, device=self.device)]
-                >= self.block_size).tolist()
+        full = [n >= self.block_size for n in self._read(1, pending)]
         blocks = [b for b, f in zip(pending, full) if f]
         self.pending_seal = [b for b, f in zip(pending, full) if not f]
         if not blocks:
             return
         now = self.step()
         if self.checksum != "off" and layers:
-            sums = self.checksums(layers, blocks).cpu()
+            sums = self.checksums(layers, blocks)
             for b, s in zip(blocks, sums):
                 self.sums[b] = s
         for b in blocks:
             self.sealed[b] = now
-            self.sealed_mask[b] = True
+        self._put(2, blocks, True)
         self.counters["sealed"] += len(blocks)
 
     def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int] | dict,
@@ -244,9 +379,9 @@ class DeviceChecker:
         if not blocks or not layers:
             return
         self.counters["verified"] += len(blocks)
-        now = self.checksums(layers, blocks).cpu()
+        now = self.checksums(layers, blocks)
         for b, cur in zip(blocks, now):
-            diff = (cur != self.sums[b]).nonzero().flatten().tolist()
+            diff = [i for i, (x, y) in enumerate(zip(cur, self.sums[b])) if x != y]
             if diff:
                 owners = self.holders.get(b, set())
                 self._report(
@@ -260,8 +395,8 @@ class DeviceChecker:
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies run before the forward: dst holds src's slots."""
-        for src, dst in pairs:
-            self.fill[dst] = self.fill[src]
+        if pairs:
+            self._put(1, [d for _, d in pairs], self._read(1, [s for s, _ in pairs]))
 
     def note_hits(self, hits: Sequence[tuple[str, int]]) -> None:
         """Prefix hits served this step: whether they are written at all is
@@ -273,14 +408,13 @@ class DeviceChecker:
         hits, self.step_hits = self.step_hits, []
         if not hits:
             return
-        idx = torch.as_tensor([b for _, b in hits], device=self.device)
-        short = (self.fill[idx] < self.block_size).tolist()
-        for (rid, b), bad in zip(hits, short):
-            if bad:
+        filled = self._read(1, [b for _, b in hits])
+        for (rid, b), n in zip(hits, filled):
+            if n < self.block_size:
                 self._report(
                     kinds.UNINITIALIZED_HIT,
                     f"{rid} is served block {b} as a prefix hit, but only "
-                    f"{int(self.fill[b])} of its {self.block_size} slots have been written",
+                    f"{n} of its {self.block_size} slots have been written",
                     [b], [rid], rid)
 
     #: ``sample:N`` verifies N sealed blocks per step on average, batched:
@@ -343,22 +477,16 @@ class DeviceChecker:
             self.check_hits_written()
             return
         self.counters["guarded_tokens"] += total
-        slots = slot_mapping[:total].to(self.device)
-        ids = torch.as_tensor([self._rint(r) for r in batch_rids], dtype=torch.int32,
-                              device=self.device)
-        counts = torch.as_tensor(list(tokens_per_req), device=self.device)
-        writer = torch.repeat_interleave(ids, counts)
-        valid = slots >= 0
-        blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
-        # O(tokens written), not O(pool): the pool may have a million blocks;
-        # padding slots (-1) add 0, so no boolean mask (a device sync on GPU)
-        self.fill.index_add_(0, blk, valid.to(torch.int32))
+        ids = [self._rint(r) for r in batch_rids]
+        if self._np is None or slot_mapping.device.type != "cpu":
+            bad = self._bad_writes_device(slot_mapping[:total], ids, tokens_per_req)
+        elif self._fast is not None:
+            bad = self._fast.guard(slot_mapping.numpy(), ids, tokens_per_req, *self._np,
+                                   self.block_size)
+        else:
+            bad = self._bad_writes_host(slot_mapping[:total], ids, tokens_per_req)
         self.check_hits_written()
-        bad = valid & ((self.lut[blk] != writer) | self.sealed_mask[blk])
-        if not bool(bad.any()):
-            return
-        pairs = torch.stack([blk[bad].to(torch.int64), writer[bad].to(torch.int64)], 1)
-        for b, w in torch.unique(pairs, dim=0).tolist():
+        for b, w in bad:
             rid = self._int_rid[w]
             holders = self.holders.get(b, set())
             if b in self.sealed:
@@ -372,3 +500,42 @@ class DeviceChecker:
             self._report(kinds.OVERWRITE_SHARED_BLOCK,
                          f"{rid} writes block {b}, which is {why}",
                          [b], holders or {rid}, rid)
+
+    def _bad_writes_host(self, slots: torch.Tensor, ids: list[int],
+                         tokens_per_req: Sequence[int]) -> list[list[int]]:
+        """:meth:`guard`'s batched check on host tables: counts the slots
+        written into ``fill`` and returns the distinct (block, writer int)
+        pairs of writes outside the writer's own unsealed blocks."""
+        lut, _, sealed = self._np
+        s = slots.numpy()
+        valid = s >= 0
+        blk = s // self.block_size
+        np.clip(blk, 0, self.num_blocks - 1, out=blk)
+        # torch's indexed add on the same memory: numpy's add.at is 10x slower
+        self.fill.index_add_(0, torch.from_numpy(blk).long(),
+                             torch.from_numpy(valid.astype(np.int32)))
+        writer = np.repeat(np.asarray(ids, dtype=np.int32), np.asarray(tokens_per_req))
+        bad = valid & ((lut[blk] != writer) | sealed[blk])
+        if not bad.any():
+            return []
+        pairs = np.unique(np.stack([blk[bad], writer[bad].astype(blk.dtype)], 1), axis=0)
+        return [tuple(p) for p in pairs.tolist()]
+
+    def _bad_writes_device(self, slots: torch.Tensor, ids: list[int],
+                           tokens_per_req: Sequence[int]) -> list[list[int]]:
+        """:meth:`_bad_writes_host` as torch ops on the tables' device; one
+        device-to-host read (whether anything is bad) in the clean case."""
+        slots = slots.to(self.device)
+        ids = torch.as_tensor(ids, dtype=torch.int32, device=self.device)
+        counts = torch.as_tensor(list(tokens_per_req), device=self.device)
+        writer = torch.repeat_interleave(ids, counts)
+        valid = slots >= 0
+        blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
+        # O(tokens written), not O(pool): the pool may have a million blocks;
+        # padding slots (-1) add 0, so no boolean mask (a device sync on GPU)
+        self.fill.index_add_(0, blk, valid.to(torch.int32))
+        bad = valid & ((self.lut[blk] != writer) | self.sealed_mask[blk])
+        if not bool(bad.any()):
+            return []
+        pairs = torch.stack([blk[bad].to(torch.int64), writer[bad].to(torch.int64)], 1)
+        return [tuple(p) for p in torch.unique(pairs, dim=0).tolist()]

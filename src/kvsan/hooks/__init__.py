@@ -220,35 +220,27 @@ NATIVE = None
 SHADOWFAST = None
 
 
-def _native_module(name: str, abi: int):
-    try:
-        mod = importlib.import_module(f"kvsan.{name}")
-    except ImportError:
-        return None
-    if getattr(mod, "ABI", None) != abi or not getattr(mod, "AVAILABLE", 1):
-        return None  # built from another version of the source, or for another Python
-    return mod
-
-
 def use_native(on: bool = True) -> bool:
     """Use kvsan's C speed-ups (built with the package, CPython 3.11):
     ``kvsan._frames`` to read call contexts, ``kvsan._shadowfast`` for
-    clean allocator events and ``kvsan._tokenlinks`` for the identity
-    audit's token chain.  ``on`` False (``KVSAN_NATIVE=0``), or where
-    they are unavailable, the pure-Python paths run; both give the same
-    results.  Returns whether all are in use."""
+    clean allocator events, ``kvsan._tokenlinks`` for the identity
+    audit's token chain and ``kvsan._devicefast`` for the device checks
+    on host memory.  ``on`` False (``KVSAN_NATIVE=0``), or where they are
+    unavailable, the pure-Python (numpy / torch) paths run; both give the
+    same results.  Returns whether all are in use."""
     global NATIVE, SHADOWFAST
-    from ..checks import identity
+    from ..checks import identity, native
 
     NATIVE = SHADOWFAST = None
     links = identity.use_native(on)
+    links = native.use_devicefast(on) and links
     if not on:
         return False
-    frames = _native_module("_frames", 1)
+    frames = native.load("_frames", 1)
     if frames is not None:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
-    SHADOWFAST = _native_module("_shadowfast", 1)
+    SHADOWFAST = native.load("_shadowfast", 1)
     return NATIVE is not None and SHADOWFAST is not None and links
 
 

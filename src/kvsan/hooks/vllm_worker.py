@@ -50,12 +50,12 @@ def _layers(runner) -> list:
     return views
 
 
-def _dguard(rt, where: str, fn, *args) -> None:
+def _dguard(rt, where: str, fn, *args):
     """:func:`_guard` for the device side, its time also added to
     ``rt.device_s`` (so the two sides' costs can be told apart in one run)."""
     t0 = _perf_counter()
     try:
-        _guard(rt, where, fn, *args)
+        return _guard(rt, where, fn, *args)
     finally:
         rt.device_s += _perf_counter() - t0
 
@@ -81,7 +81,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
     return dc
 
 
-def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
+def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     """Apply what the scheduler sent for this step, before the forward."""
     payload = getattr(so, "kvsan", None)
     if payload is not None:
@@ -113,7 +113,6 @@ def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
-    layers = _layers(runner)
     if payload is not None:
         dc.will_seal(payload["cached"])
         if dc.poison_on:
@@ -128,11 +127,19 @@ def begin_step(rt, dc: DeviceChecker, runner, so) -> None:
     dc.verify_step(layers)
 
 
-def _has_connector() -> bool:
-    try:
-        from vllm.distributed.kv_transfer import has_kv_transfer_group
+#: vLLM's ``has_kv_transfer_group``, imported on first use (an import
+#: statement run every step costs more than the call)
+_has_kv_transfer_group = None
 
-        return has_kv_transfer_group()
+
+def _has_connector() -> bool:
+    global _has_kv_transfer_group
+    try:
+        if _has_kv_transfer_group is None:
+            from vllm.distributed.kv_transfer import has_kv_transfer_group
+
+            _has_kv_transfer_group = has_kv_transfer_group
+        return _has_kv_transfer_group()
     except Exception:  # noqa: BLE001
         return False
 
@@ -147,11 +154,15 @@ def _execute_model(wrapped, instance, args, kwargs):
         dc = _device_checker(rt, instance)
     except Exception as e:  # noqa: BLE001
         rt.reporter.internal_error("device_checker", e)
+    layers = None
     if dc is not None:
-        _dguard(rt, "execute_model.begin", begin_step, rt, dc, instance, so)
+        # the cache tensors of this step, read once for both ends of it
+        layers = _dguard(rt, "execute_model.layers", _layers, instance)
+        if layers is not None:
+            _dguard(rt, "execute_model.begin", begin_step, rt, dc, so, layers)
     ret = wrapped(*args, **kwargs)
-    if dc is not None:
-        _dguard(rt, "execute_model.seal", lambda: dc.seal(_layers(instance)))
+    if layers is not None:
+        _dguard(rt, "execute_model.seal", dc.seal, layers)
     return ret
 
 

@@ -1,0 +1,420 @@
+/* kvsan._devicefast: the device checker's per-step work on host memory, in C.
+ *
+ * On a CPU device (vLLM's CPU backend, kvsan's own tests) the worker-side
+ * checks of kvsan.checks.device.DeviceChecker are a dozen small numpy / torch
+ * operations per step.  Between the forward passes of a real engine each of
+ * those costs 20-120 µs (cold caches, the libraries' dispatch), which added
+ * up to ~10% of a small model's step.  Two loops here replace them:
+ *
+ *   guard()     the write guard: every slot the step writes lies in a block
+ *               its writer produces and that is not sealed; counts the slots
+ *               written per block (``fill``);
+ *   checksums() the weighted 64-bit word sums of sealed blocks, per layer.
+ *
+ * Both give exactly what the torch path gives (tests/test_device_native.py
+ * runs them side by side): the same bad (block, writer) pairs in the same
+ * order, and the same sums -- sum(w[i] * word[i]) modulo 2^64 over each
+ * block's raw bytes read as the widest of 8/4/2/1-byte signed words that
+ * divides the row, with the caller's weights (given as a short period and
+ * per-chunk multipliers, so that they stay in cache).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KVSAN_DEVICEFAST_ABI 1
+
+/* ------------------------------------------------------------ guard */
+
+static int
+get_1d(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize,
+       const char *what)
+{
+    /* the slot mapping may be a strided row; the tables are whole arrays */
+    int flags = (itemsize ? PyBUF_C_CONTIGUOUS : PyBUF_STRIDES) | PyBUF_FORMAT
+                | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj, view, flags) < 0) {
+        return -1;
+    }
+    if (view->ndim != 1 || (itemsize && view->itemsize != itemsize)) {
+        PyErr_Format(PyExc_ValueError, "%s: a 1-d array of %zd-byte items is needed",
+                     what, itemsize);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+read_ints(PyObject *seq, Py_ssize_t n, int64_t *out)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        long long v = PyLong_AsLongLong(PySequence_Fast_GET_ITEM(seq, i));
+        if (v == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        out[i] = v;
+    }
+    return 0;
+}
+
+/* guard(slots, writers, counts, lut, fill, sealed, block_size)
+ *   slots:   int64 or int32 array, the step's slot mapping (padding < 0)
+ *   writers: list of the writing requests' ints, counts: tokens of each
+ *   lut:     int32 array, the producer int of each block (-1: none)
+ *   fill:    int32 array, slots written per block (updated)
+ *   sealed:  bool array, the sealed blocks
+ * -> sorted list of distinct (block, writer) of writes outside the writer's
+ *    own unsealed blocks.  A slot past the pool counts against its last
+ *    block, as the torch path's clamp does. */
+static PyObject *
+guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "guard(slots, writers, counts, lut, fill, sealed, block_size)");
+        return NULL;
+    }
+    long long bs = PyLong_AsLongLong(args[6]);
+    if (bs == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (bs <= 0) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be positive");
+        return NULL;
+    }
+    Py_buffer sb, lb, fb, mb;
+    PyObject *writers = NULL, *counts = NULL, *bad = NULL, *out = NULL;
+    int64_t *w = NULL, *c = NULL;
+    int have_s = 0, have_l = 0, have_f = 0, have_m = 0;
+
+    if (get_1d(args[0], &sb, 0, 0, "slots") < 0) {
+        goto done;
+    }
+    have_s = 1;
+    const char *fmt = sb.format ? sb.format + strlen(sb.format) - 1 : "B";
+    if ((sb.itemsize != 8 && sb.itemsize != 4) || strchr("qli", *fmt) == NULL) {
+        PyErr_SetString(PyExc_ValueError, "slots: int64 or int32 items are needed");
+        goto done;
+    }
+    if (get_1d(args[3], &lb, 0, 4, "lut") < 0) {
+        goto done;
+    }
+    have_l = 1;
+    if (get_1d(args[4], &fb, 1, 4, "fill") < 0) {
+        goto done;
+    }
+    have_f = 1;
+    if (get_1d(args[5], &mb, 0, 1, "sealed") < 0) {
+        goto done;
+    }
+    have_m = 1;
+    Py_ssize_t nb = lb.shape[0];
+    if (fb.shape[0] != nb || mb.shape[0] != nb || nb == 0) {
+        PyErr_SetString(PyExc_ValueError, "lut, fill and sealed must cover the same pool");
+        goto done;
+    }
+    writers = PySequence_Fast(args[1], "writers must be a sequence");
+    counts = writers ? PySequence_Fast(args[2], "counts must be a sequence") : NULL;
+    if (counts == NULL) {
+        goto done;
+    }
+    Py_ssize_t nreq = PySequence_Fast_GET_SIZE(writers);
+    if (PySequence_Fast_GET_SIZE(counts) != nreq) {
+        PyErr_SetString(PyExc_ValueError, "writers and counts differ in length");
+        goto done;
+    }
+    w = PyMem_Malloc(sizeof(int64_t) * (nreq + 1));
+    c = PyMem_Malloc(sizeof(int64_t) * (nreq + 1));
+    if (w == NULL || c == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (read_ints(writers, nreq, w) < 0 || read_ints(counts, nreq, c) < 0) {
+        goto done;
+    }
+    int64_t total = 0;
+    for (Py_ssize_t r = 0; r < nreq; r++) {
+        if (c[r] < 0) {
+            PyErr_SetString(PyExc_ValueError, "a token count is negative");
+            goto done;
+        }
+        total += c[r];
+    }
+    if (total > sb.shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%lld tokens scheduled, %zd slots mapped",
+                     (long long)total, sb.shape[0]);
+        goto done;
+    }
+    const int32_t *lut = (const int32_t *)lb.buf;
+    int32_t *fill = (int32_t *)fb.buf;
+    const unsigned char *sealed = (const unsigned char *)mb.buf;
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t r = 0; r < nreq; r++) {
+        int64_t writer = w[r];
+        for (int64_t k = 0; k < c[r]; k++, pos++) {
+            const char *at = (const char *)sb.buf + pos * sb.strides[0];
+            int64_t s;
+            if (sb.itemsize == 8) {
+                memcpy(&s, at, 8);
+            }
+            else {
+                int32_t s32;
+                memcpy(&s32, at, 4);
+                s = s32;
+            }
+            if (s < 0) {
+                continue;  /* padding */
+            }
+            int64_t b = s / bs;
+            if (b >= nb) {
+                b = nb - 1;
+            }
+            fill[b] += 1;
+            if (lut[b] == writer && !sealed[b]) {
+                continue;
+            }
+            if (bad == NULL && (bad = PySet_New(NULL)) == NULL) {
+                goto done;
+            }
+            PyObject *pair = Py_BuildValue("(LL)", (long long)b, (long long)writer);
+            if (pair == NULL || PySet_Add(bad, pair) < 0) {
+                Py_XDECREF(pair);
+                goto done;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    if (bad == NULL) {
+        out = PyList_New(0);
+    }
+    else if ((out = PySequence_List(bad)) != NULL && PyList_Sort(out) < 0) {
+        Py_CLEAR(out);
+    }
+done:
+    PyMem_Free(w);
+    PyMem_Free(c);
+    Py_XDECREF(writers);
+    Py_XDECREF(counts);
+    Py_XDECREF(bad);
+    if (have_s) PyBuffer_Release(&sb);
+    if (have_l) PyBuffer_Release(&lb);
+    if (have_f) PyBuffer_Release(&fb);
+    if (have_m) PyBuffer_Release(&mb);
+    return out;
+}
+
+/* -------------------------------------------------------- checksums */
+
+/* Widest word (8, 4, 2 or 1 bytes) dividing a row of nbytes. */
+static Py_ssize_t
+word_size(Py_ssize_t nbytes)
+{
+    return nbytes % 8 == 0 ? 8 : nbytes % 4 == 0 ? 4 : nbytes % 2 == 0 ? 2 : 1;
+}
+
+/* sum(W[i % P] * C[i / P] * word[i]) modulo 2^64 over the row's words:
+ * per chunk of P words, the chunk's sum with the short weights W (which stay
+ * in L1), times the chunk's odd multiplier C[chunk]. */
+#define ROW_LOOP(T)                                                          \
+    for (Py_ssize_t c0 = 0; c0 < n; c0 += period) {                          \
+        Py_ssize_t m = n - c0 < period ? n - c0 : period;                    \
+        const char *p = row + sizeof(T) * c0;                                \
+        uint64_t part = 0;                                                   \
+        for (Py_ssize_t j = 0; j < m; j++, p += sizeof(T)) {                 \
+            T v;                                                             \
+            memcpy(&v, p, sizeof(T));                                        \
+            part += (uint64_t)w[j] * (uint64_t)(int64_t)v;                   \
+        }                                                                    \
+        acc += part * (uint64_t)chunk[c0 / period];                          \
+    }
+
+static uint64_t
+row_sum(const char *row, Py_ssize_t nbytes, const int64_t *w, Py_ssize_t period,
+        const int64_t *chunk)
+{
+    Py_ssize_t ws = word_size(nbytes), n = nbytes / ws;
+    uint64_t acc = 0;
+    switch (ws) {
+    case 8:
+        ROW_LOOP(int64_t)
+        break;
+    case 4:
+        ROW_LOOP(int32_t)
+        break;
+    case 2:
+        ROW_LOOP(int16_t)
+        break;
+    default:
+        ROW_LOOP(int8_t)
+    }
+    return acc;
+}
+
+/* checksums(layers, blocks, weights, chunks)
+ *   layers:  block-major arrays (dim 0: the block), each block's row
+ *            C-contiguous
+ *   blocks:  list of block ids
+ *   weights: int64 array of P odd weights, word i's is weights[i % P] ...
+ *   chunks:  int64 array of odd multipliers, ... times chunks[i / P]
+ * -> list (per block) of tuples (per layer) of signed 64-bit sums, or None
+ *    when a layer's rows are not contiguous (the caller's torch path then
+ *    handles the layers). */
+static PyObject *
+checksums(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "checksums(layers, blocks, weights, chunks)");
+        return NULL;
+    }
+    PyObject *layers = PySequence_Fast(args[0], "layers must be a sequence");
+    if (layers == NULL) {
+        return NULL;
+    }
+    PyObject *blocks = PySequence_Fast(args[1], "blocks must be a sequence");
+    if (blocks == NULL) {
+        Py_DECREF(layers);
+        return NULL;
+    }
+    Py_ssize_t nl = PySequence_Fast_GET_SIZE(layers), nbk = PySequence_Fast_GET_SIZE(blocks);
+    Py_buffer wb, cb;
+    Py_buffer *views = PyMem_Calloc(nl ? nl : 1, sizeof(Py_buffer));
+    Py_ssize_t got = 0;
+    int64_t *ids = PyMem_Malloc(sizeof(int64_t) * (nbk + 1));
+    PyObject *out = NULL;
+    int have_w = 0, have_c = 0, contiguous = 1;
+    if (views == NULL || ids == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (get_1d(args[2], &wb, 0, 8, "weights") < 0) {
+        goto done;
+    }
+    have_w = 1;
+    if (get_1d(args[3], &cb, 0, 8, "chunks") < 0) {
+        goto done;
+    }
+    have_c = 1;
+    Py_ssize_t period = wb.shape[0];
+    if (period == 0) {
+        PyErr_SetString(PyExc_ValueError, "no weights");
+        goto done;
+    }
+    for (; got < nl; got++) {
+        Py_buffer *v = &views[got];
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(layers, got), v, PyBUF_STRIDED_RO) < 0) {
+            goto done;
+        }
+        if (v->ndim < 1) {
+            PyErr_SetString(PyExc_ValueError, "a layer has no block dimension");
+            got++;
+            goto done;
+        }
+        /* dims 1.. C-contiguous: each block's row is one run of bytes */
+        Py_ssize_t step = v->itemsize;
+        for (int d = v->ndim - 1; d >= 1; d--) {
+            if (v->shape[d] > 1 && v->strides[d] != step) {
+                contiguous = 0;
+            }
+            step *= v->shape[d];
+        }
+        Py_ssize_t nbytes = step, words = nbytes / word_size(nbytes);
+        if ((words + period - 1) / period > cb.shape[0]) {
+            PyErr_Format(PyExc_ValueError, "%zd chunk multipliers for rows of %zd words",
+                         cb.shape[0], words);
+            got++;
+            goto done;
+        }
+    }
+    if (!contiguous) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (read_ints(blocks, nbk, ids) < 0) {
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < nbk; k++) {
+        for (Py_ssize_t l = 0; l < nl; l++) {
+            if (ids[k] < 0 || ids[k] >= views[l].shape[0]) {
+                PyErr_Format(PyExc_IndexError, "block %lld outside a layer of %zd blocks",
+                             (long long)ids[k], views[l].shape[0]);
+                goto done;
+            }
+        }
+    }
+    out = PyList_New(nbk);
+    if (out == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t k = 0; k < nbk; k++) {
+        PyObject *row = PyTuple_New(nl);
+        if (row == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, k, row);
+        for (Py_ssize_t l = 0; l < nl; l++) {
+            Py_buffer *v = &views[l];
+            Py_ssize_t nbytes = v->itemsize;
+            for (int d = 1; d < v->ndim; d++) {
+                nbytes *= v->shape[d];
+            }
+            const char *p = (const char *)v->buf + ids[k] * v->strides[0];
+            uint64_t sum = row_sum(p, nbytes, (const int64_t *)wb.buf, period,
+                                   (const int64_t *)cb.buf);
+            PyObject *x = PyLong_FromLongLong((long long)(int64_t)sum);
+            if (x == NULL) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyTuple_SET_ITEM(row, l, x);
+        }
+    }
+done:
+    for (Py_ssize_t i = 0; i < got; i++) {
+        if (views[i].obj != NULL) {
+            PyBuffer_Release(&views[i]);
+        }
+    }
+    if (have_w) PyBuffer_Release(&wb);
+    if (have_c) PyBuffer_Release(&cb);
+    PyMem_Free(views);
+    PyMem_Free(ids);
+    Py_DECREF(layers);
+    Py_DECREF(blocks);
+    return out;
+}
+
+static PyMethodDef methods[] = {
+    {"guard", (PyCFunction)(void (*)(void))guard, METH_FASTCALL,
+     "guard(slots, writers, counts, lut, fill, sealed, block_size) -> sorted distinct "
+     "(block, writer) pairs of writes outside the writer's own unsealed blocks; "
+     "adds the slots written to fill"},
+    {"checksums", (PyCFunction)(void (*)(void))checksums, METH_FASTCALL,
+     "checksums(layers, blocks, weights, chunks) -> per block, a tuple of per-layer weighted "
+     "word sums (None if a layer's rows are not contiguous)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef devicefast_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvsan._devicefast",
+    .m_doc = "The device checker's host-memory loops in C (optional speed-up).",
+    .m_size = -1,
+    .m_methods = methods,
+};
+
+PyMODINIT_FUNC
+PyInit__devicefast(void)
+{
+    PyObject *m = PyModule_Create(&devicefast_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ABI", KVSAN_DEVICEFAST_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
