@@ -1,18 +1,20 @@
 """End-to-end benchmark: the same seeded workload (``kvsan.traffic``: groups
 sharing a prefix, cancellations, a pool small enough for eviction and
-preemption) on the real engine, kvsan off / default / strict, alternating
-over several rounds.  The engine is rebooted for every run because plugins
-load at boot: each run is a fresh in-process-mode subprocess.
+preemption) on the real engine, kvsan off / default / strict, and vLLM with
+kvsan's plugin not loaded at all (``VLLM_PLUGINS=none``: KVSAN unset must
+cost nothing measurable against it).
 
-Also ``absent``: vLLM with kvsan's plugin not loaded at all
-(``VLLM_PLUGINS=none``), to show that KVSAN unset costs nothing measurable.
+Side by side (:mod:`benchmarks.lanes`): one in-process-mode engine per
+setting, each in its own process booted as a user would boot it (the
+plugin reads ``KVSAN`` at start-up), stepped in turn, the order rotated
+every step, over several rounds of the workload.  Every lane sees the same
+machine at the same moments; booting them one after another instead left
+run-to-run drift on a shared 2-core host larger than kvsan's cost.
 
-Reported per model: throughput (generated tokens per CPU-second of the
-traffic loop) and per-step latency (median CPU time of ``engine.step()``), as
-ratios to off, median and min-max over rounds.  CPU time of the process, not
-wall time: on a shared machine wall time mostly measures the neighbours (it
-is recorded too, ``wall_s``).  Each round runs the settings in a rotated
-order.
+Reported per model: throughput (tokens per CPU-second of the lane's steps)
+and per-step latency (median CPU time of one traffic step), as ratios to
+off: over all rounds, and the median and min-max of the per-round ratios;
+and kvsan's own time inside the same steps (all, and the worker side).
 """
 
 from __future__ import annotations
@@ -20,14 +22,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 from .common import ENV, median, ratio_cell, table
-
-SETTINGS = ("off", "default", "strict")
-
 
 def ensure_medium_model(seed: int = 0) -> str:
     """A larger random Llama (4 layers, hidden 512: about 8x the tiny
@@ -98,74 +96,116 @@ def one_run(model: str, groups: int, per_group: int, seed: int) -> dict:
             "kvsan": rt is not None}
 
 
-def _spawn(setting: str, model: str, groups: int, per_group: int, seed: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
-    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    # one compute thread: spinning OpenMP workers on a contended machine
-    # inflate CPU time by several times, at random
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    if setting == "absent":
-        env["VLLM_PLUGINS"] = "none"
-    else:
-        env.update(ENV[setting])
-    code = (f"import json; from benchmarks.e2e import one_run; "
-            f"print('KVSAN_BENCH ' + json.dumps(one_run({model!r}, {groups}, {per_group}, {seed})))")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                       text=True, cwd=root, timeout=900)
-    for line in p.stdout.splitlines():
-        if line.startswith("KVSAN_BENCH "):
-            out = json.loads(line[len("KVSAN_BENCH "):])
-            if out["kvsan"] != (setting in ("default", "strict")):
-                raise AssertionError(f"{setting}: kvsan installed = {out['kvsan']}")
-            if out["violations"]:
-                raise AssertionError(f"{setting}: {out['violations']} violation(s) on clean traffic")
-            return out
-    raise RuntimeError(f"{setting} run failed:\n{p.stderr[-3000:]}")
+def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) -> None:
+    """A lane process (:func:`benchmarks.lanes.serve`): boot, warm up, then
+    the traffic ``rounds`` times, one step per command (CPU time of this
+    thread: in-process mode runs the engine core and the model here)."""
+    import hashlib
+
+    from vllm import LLM
+
+    from kvsan import current_runtime, traffic
+
+    from . import lanes
+
+    llm = LLM(**traffic.engine_kwargs(model))
+    traffic.run(llm, seed=seed, groups=2, per_group=2)  # warm-up
+    rt = current_runtime()
+    clock = time.thread_time_ns
+    state = {"round": 0, "res": None, "rounds": [], "kvsan": (0.0, 0.0)}
+
+    def own_time():
+        return (rt.overhead_s, rt.device_s) if rt is not None else (0.0, 0.0)
+
+    def start_round():
+        state["gen"] = traffic.steps(llm, seed, groups, per_group, prefix=f"{state['round']}:")
+        state["kvsan"] = own_time()
+
+    def stepper():
+        while True:
+            t0 = clock()
+            got = next(state["gen"], None)
+            dt = clock() - t0
+            if got is not None:
+                state["res"] = got
+                return dt, state["round"]
+            res, (k0, d0), (k1, d1) = state["res"], state["kvsan"], own_time()
+            state["rounds"].append({
+                "tokens": sum(len(v) for v in res.outputs.values()), "steps": res.steps,
+                "outputs": hashlib.sha256(json.dumps(res.outputs, sort_keys=True).encode())
+                .hexdigest()[:16],
+                "kvsan_s": k1 - k0, "device_s": d1 - d0})
+            state["round"] += 1
+            if state["round"] >= rounds:
+                return None
+            start_round()
+
+    stepper.summary = lambda: {"rounds": state["rounds"], "kvsan": rt is not None,
+                               "violations": len(rt.violations()) if rt is not None else 0}
+    start_round()
+    lanes.serve(stepper)
 
 
-def bench(models=None, rounds: int = 3, groups: int = 6, per_group: int = 5, seed: int = 0,
+#: the lanes: setting -> environment (KVSAN unset for off, as users run it)
+LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
+         "absent": {"VLLM_PLUGINS": "none"}}
+
+
+def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, seed: int = 0,
           absent: bool = True) -> dict:
+    from . import lanes
+
     if models is None:
         from kvsan.tinymodel import ensure_tiny_model
 
         models = {"tiny (2x256)": ensure_tiny_model(), "medium (4x512)": ensure_medium_model()}
     res = {}
-    for name, path in models.items():
-        settings = SETTINGS + (("absent",) if absent and name == next(iter(models)) else ())
-        runs = {s: [] for s in settings}
-        for r in range(rounds):
-            order = settings[r % len(settings):] + settings[:r % len(settings)]
-            for s in order:
-                runs[s].append(_spawn(s, path, groups, per_group, seed))
-                print(f"[e2e] {name} round {r} {s}: {json.dumps(runs[s][-1])}",
-                      file=sys.stderr, flush=True)
-        toks = {run["tokens"] for s in settings for run in runs[s]}
-        if len(toks) != 1:
-            raise AssertionError(f"kvsan changed the output: tokens {toks}")
-        entry = {"tokens": toks.pop(), "steps": runs["off"][0]["steps"], "rounds": rounds,
-                 "off_tok_s": median([x["tokens"] / x["cpu_s"] for x in runs["off"]]),
-                 "off_step_ms": median([x["cpu_step_ms"] for x in runs["off"]])}
-        for s in settings:
-            if s == "off":
-                continue
-            entry[s] = {
-                "throughput": [o["cpu_s"] / x["cpu_s"] for x, o in zip(runs[s], runs["off"])],
-                "step": [x["cpu_step_ms"] / o["cpu_step_ms"]
-                         for x, o in zip(runs[s], runs["off"])],
-                "wall_throughput": [o["wall_s"] / x["wall_s"]
-                                    for x, o in zip(runs[s], runs["off"])],
-                # measured inside each run, so immune to run-to-run drift:
-                # kvsan's checks as a share of the step time, all and device
-                "kvsan_share": [x.get("kvsan_s", 0.0) / x["steps_s"] for x in runs[s]
-                                if x.get("steps_s")],
-                "device_share": [x.get("device_s", 0.0) / x["steps_s"] for x in runs[s]
-                                 if x.get("steps_s")],
-            }
-        res[name] = entry
+    for i, (name, path) in enumerate(models.items()):
+        names = [s for s in LANES if absent and i == 0 or s != "absent"]
+        code = (f"from benchmarks.e2e import serve_lane; "
+                f"serve_lane({path!r}, {rounds}, {groups}, {per_group}, {seed})")
+        got = lanes.run({s: (code, LANES[s]) for s in names})
+        res[name] = summarize(got, rounds)
+        print(f"[e2e] {name}: {json.dumps(res[name])}", file=sys.stderr, flush=True)
     return res
+
+
+def summarize(got: dict, rounds: int) -> dict:
+    """Ratios to off from the lanes' steps: per round and over all rounds."""
+    per_round = {s: [sum(ns for ns, r in g["steps"] if r == k) for k in range(rounds)]
+                 for s, g in got.items()}
+    med_step = {s: statistics.median(ns for ns, _ in g["steps"]) for s, g in got.items()}
+    summ = {s: g["summary"] for s, g in got.items()}
+    outs = {(x["tokens"], x["outputs"]) for sm in summ.values() for x in sm["rounds"]}
+    if len(outs) != 1:
+        raise AssertionError(f"the outputs differ between settings: {outs}")
+    bad = {s: sm["violations"] for s, sm in summ.items() if sm["violations"]}
+    if bad:
+        raise AssertionError(f"violations on clean traffic: {bad}")
+    off = per_round["off"]
+    first = summ["off"]["rounds"][0]
+    entry = {"tokens": first["tokens"], "steps": first["steps"], "rounds": rounds,
+             "off_tok_s": first["tokens"] * rounds / (sum(off) / 1e9),
+             "off_step_ms": med_step["off"] / 1e6}
+    for s in got:
+        if s == "off":
+            continue
+        mine = per_round[s]
+        if s == "absent":  # off against not loaded: off is the one measured
+            thr = [a / o for o, a in zip(off, mine)]
+            entry[s] = {"throughput": thr, "throughput_all": sum(mine) / sum(off),
+                        "step": [med_step["off"] / med_step[s]]}
+            continue
+        entry[s] = {
+            "throughput": [o / x for o, x in zip(off, mine)],
+            "throughput_all": sum(off) / sum(mine),
+            "step": [med_step[s] / med_step["off"]],
+            "kvsan_share": [x["kvsan_s"] / (ns / 1e9)
+                            for x, ns in zip(summ[s]["rounds"], mine)],
+            "device_share": [x["device_s"] / (ns / 1e9)
+                             for x, ns in zip(summ[s]["rounds"], mine)],
+        }
+    return entry
 
 
 def markdown(res: dict) -> str:
@@ -174,21 +214,17 @@ def markdown(res: dict) -> str:
         for s in ("default", "strict", "absent"):
             if s not in e:
                 continue
-            label = {"absent": "off vs kvsan not loaded"}.get(s, s)
-            if s == "absent":
-                thr = [1 / x for x in e[s]["throughput"]]
-                stp = [1 / x for x in e[s]["step"]]
-            else:
-                thr, stp = e[s]["throughput"], e[s]["step"]
-            share = e[s].get("kvsan_share")
-            dev = e[s].get("device_share")
+            share, dev = e[s].get("kvsan_share"), e[s].get("device_share")
+            label = "off (KVSAN unset) vs not loaded" if s == "absent" else s
             rows.append([name, label, f"{e['tokens']} tok / {e['steps']} steps",
-                         f"{e['off_tok_s']:.0f}", f"{e['off_step_ms']:.1f}",
-                         ratio_cell(thr), ratio_cell(stp),
+                         f"{e['off_tok_s']:.0f}", f"{e['off_step_ms']:.2f}",
+                         f"**{e[s]['throughput_all']:.3f}x** ({ratio_cell(e[s]['throughput'])})",
+                         f"{e[s]['step'][0]:.3f}x",
                          f"{median(share) * 100:.1f}% ({median(dev) * 100:.1f}% device)"
-                         if share and s != "absent" else "-"])
-    return table(["model", "setting", "workload", "off tok per CPU-s", "off step CPU ms",
-                  "throughput / off (CPU time)", "step latency / off (CPU time)",
+                         if share else "-"])
+    return table(["model", "setting", "workload per round", "off tok per CPU-s",
+                  "off step CPU ms (median)", "throughput / off (all rounds; per round "
+                  "median, min-max)", "median step latency / off",
                   "kvsan's checks / step time, in-run"], rows)
 
 

@@ -8,11 +8,16 @@ request is replaced), ~20% cancelled mid-flight with
 ``finish_requests(..., FINISHED_ABORTED)``, and a pool of about 3 blocks per
 request, so cached blocks are evicted and running requests are preempted.
 
-Side by side in lockstep: three schedulers (off, default, strict) with the
-same workload advance one step each in turn, in rotating order, and kvsan's
-patches and runtime are switched between them (untimed).  A shared 2-core
-machine drifts by tens of percent over seconds; step-level interleaving puts
-every setting under the same drift.  Measured: the thread CPU time of
+Side by side in lockstep (:mod:`benchmarks.lanes`): one scheduler per
+setting (off, default, strict, and default with kvsan's C speed-ups off),
+each in its own process with kvsan installed for its whole life or not at
+all, advance one step each in turn, in rotating order.  A shared 2-core
+machine drifts by tens of percent over seconds; step-level interleaving
+puts every setting under the same drift.  (Switching kvsan's patches in one
+process between steps, as :func:`run_lockstep` still does for
+``benchmarks.hookcost``, costs each switched step about 5% by itself: CPython
+drops its caches for a class that was just modified.)  Measured: the thread
+CPU time of
 ``finish_requests`` (cancellations) + ``schedule()`` + ``update_from_output()``;
 the synthetic driver is not timed.  The runs must schedule identically
 (checked) and report no violation (checked).
@@ -78,20 +83,23 @@ def _hasher():
 
 
 # ------------------------------------------------------------ kvsan switch
-def _activate(lane) -> None:
+def _activate(lane, device: bool = False) -> None:
     """Make ``lane``'s setting the live one: patches (allocator and identity
-    audit, as the plugin installs them in the EngineCore) and runtime."""
+    audit, as the plugin installs them in the EngineCore; with ``device``,
+    the worker's too, as in-process mode runs it) and runtime."""
     from kvsan import hooks
     from kvsan import runtime as _rt
-    from kvsan.hooks import vllm_allocator, vllm_identity
+    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
 
     vllm_identity.uninstall()
     hooks.uninstrument()
     _rt.set_runtime(None)
     if lane.rt is not None:
-        hooks.use_native(lane.rt.config.native)
+        lane.rt.native = hooks.use_native(lane.rt.config.native)
         hooks.instrument(vllm_allocator.targets())
         vllm_identity.install()
+        if device:
+            hooks.instrument(vllm_worker.targets())
         _rt.set_runtime(lane.rt)
 
 
@@ -221,25 +229,75 @@ def run_lockstep(n: int, steps: int, seed: int = 0, num_blocks: int | None = Non
     return lanes
 
 
+def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> None:
+    """A lane process (:func:`benchmarks.lanes.serve`): one scheduler, kvsan
+    installed for ``setting`` once, ``steps`` timed steps on command."""
+    from . import lanes
+
+    lane = Lane(setting, n, seed, num_blocks)
+    gc.collect()
+    gc.freeze()  # as vLLM's EngineCore does after start-up (vllm/utils/gc_utils.py)
+
+    def stepper():
+        if len(lane.times) >= steps:
+            return None
+        lane.step()
+        return lane.times[-1], 0
+
+    def summary():
+        rt = lane.rt
+        ck = next(iter(rt.checkers.values())) if rt is not None else None
+        return {"fingerprint": list(lane.fingerprint), "finished": lane.finished,
+                "aborted": lane.aborted, "preempted": lane.preempted,
+                "evicted": ck.counters["evicted"] if ck is not None else None,
+                "violations": [v.kind for v in rt.violations()] if rt is not None else [],
+                "native": bool(rt.native) if rt is not None else None}
+
+    stepper.summary = summary
+    lanes.serve(stepper)
+
+
+def run_lanes(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
+              settings=SETTINGS) -> dict[str, dict]:
+    """One process per setting, stepped in turn: setting -> {"times": [ns
+    per step], and the lane's summary}."""
+    from . import lanes
+
+    num_blocks = num_blocks or 3 * n + 16
+    code = "from benchmarks.sched import serve_lane; serve_lane({!r}, %d, %d, %d, %d)" % (
+        n, steps, seed, num_blocks)
+    got = lanes.run({s: (code.format(s), {}) for s in settings})
+    out = {s: dict(g["summary"], times=[ns for ns, _ in g["steps"]]) for s, g in got.items()}
+    prints = {s: tuple(o["fingerprint"]) for s, o in out.items()}
+    if len(set(prints.values())) != 1:
+        raise AssertionError(f"kvsan changed the schedule: {prints}")
+    for s, o in out.items():
+        if o["violations"]:
+            raise AssertionError(f"{s}: violations on clean traffic: {o['violations']}")
+    return out
+
+
 def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0) -> dict:
     """Ratios per chunk of consecutive steps (the spread), and over all steps;
     the ``python`` lane is default with kvsan's C speed-ups off."""
     results = {}
     for n in sizes:
-        lanes = run_lockstep(n, steps, seed, settings=SETTINGS + (NATIVE_OFF,))
-        off = lanes["off"].times
+        lanes = run_lanes(n, steps, seed, settings=SETTINGS + (NATIVE_OFF,))
+        off = lanes["off"]["times"]
         size = max(1, steps // chunks)
-        res = {"steps": steps, "num_blocks": 3 * n + 16,
-               "finished": lanes["off"].finished, "aborted": lanes["off"].aborted,
-               "preempted": lanes["off"].preempted}
-        ck = next(iter(lanes["default"].rt.checkers.values()))
-        res["evicted"] = ck.counters["evicted"]
+        res = {"steps": steps, "num_blocks": 3 * n + 16, "finished": lanes["off"]["finished"],
+               "aborted": lanes["off"]["aborted"], "preempted": lanes["off"]["preempted"],
+               "evicted": lanes["default"]["evicted"]}
+        if lanes[NATIVE_OFF]["native"] or not lanes["default"]["native"]:
+            raise AssertionError("the python lane must run without kvsan's C speed-ups, "
+                                 "the default lane with them")
         for s, lane in lanes.items():
-            res[f"{s}_us"] = sum(lane.times) / len(lane.times) / 1e3
+            times = lane["times"]
+            res[f"{s}_us"] = sum(times) / len(times) / 1e3
             if s != "off":
-                res[s] = [sum(lane.times[i:i + size]) / sum(off[i:i + size])
+                res[s] = [sum(times[i:i + size]) / sum(off[i:i + size])
                           for i in range(0, steps - size + 1, size)]
-                res[f"{s}_all"] = sum(lane.times) / sum(off)
+                res[f"{s}_all"] = sum(times) / sum(off)
         results[n] = res
     return results
 

@@ -55,16 +55,41 @@ def test_scale_tiny():
 
 
 def test_e2e_aggregation(monkeypatch):
-    """The engine boots take minutes on 2 cores: the subprocess runner is
-    stubbed here (``python -m benchmarks --quick --only e2e`` runs it)."""
-    from benchmarks import e2e
+    """The engine boots take minutes on 2 cores: the lanes are stubbed here
+    (``python -m benchmarks --quick --only e2e`` runs them)."""
+    from benchmarks import e2e, lanes
 
-    def fake(setting, model, groups, per_group, seed):
-        slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}[setting]
-        return {"wall_s": slow, "tokens": 10, "steps": 5, "step_ms": slow, "cpu_s": slow,
-                "cpu_step_ms": slow, "violations": 0, "kvsan": setting in ("default", "strict")}
+    slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}
 
-    monkeypatch.setattr(e2e, "_spawn", fake)
+    def fake(spec):
+        return {s: {"steps": [(int(1e6 * slow[s]), r) for r in range(2) for _ in range(5)],
+                    "summary": {"rounds": [{"tokens": 10, "steps": 5, "outputs": "same",
+                                            "kvsan_s": 0.0005, "device_s": 0.0001}] * 2,
+                                "violations": 0, "kvsan": s in ("default", "strict")}}
+                for s in spec}
+
+    monkeypatch.setattr(lanes, "run", fake)
     res = e2e.bench(models={"m": "unused"}, rounds=2)
-    assert res["m"]["default"]["throughput"] == [1 / 1.02, 1 / 1.02]
+    assert res["m"]["default"]["throughput"] == pytest.approx([1 / 1.02, 1 / 1.02])
+    assert res["m"]["strict"]["throughput_all"] == pytest.approx(1 / 1.2)
+    assert res["m"]["default"]["kvsan_share"] == pytest.approx([0.0005 / 0.00510] * 2)
     assert "not loaded" in e2e.markdown(res)
+
+
+def test_lanes_step_processes_in_turn_and_name_a_failed_lane():
+    """The side-by-side driver for real, with trivial lanes: each steps
+    until done and sends its summary; a lane that dies is named, with its
+    error output."""
+    from benchmarks import lanes
+
+    code = ("from benchmarks import lanes\n"
+            "it = iter([(5, 0), (7, 0), (9, 1)])\n"
+            "step = lambda: next(it, None)\n"
+            "step.summary = lambda: {'done': True}\n"
+            "lanes.serve(step)\n")
+    got = lanes.run({"a": (code, {}), "b": (code, {"KVSAN": "1"})})
+    assert got["a"] == got["b"] == {"steps": [(5, 0), (7, 0), (9, 1)],
+                                    "summary": {"done": True}}
+    broken = "from benchmarks import lanes\nraise SystemExit('lane setup failed')\n"
+    with pytest.raises(RuntimeError, match="(?s)lane bad exited.*lane setup failed"):
+        lanes.run({"ok": (code, {}), "bad": (broken, {})})

@@ -45,6 +45,16 @@ def engine_kwargs(model: str, num_blocks: int = 24) -> dict:
 def run(llm, seed: int = 0, groups: int = 6, per_group: int = 5) -> TrafficResult:
     """Groups of requests share a 2- or 3-block prefix; some members are
     cancelled at different moments while the others keep reading it."""
+    res = TrafficResult()
+    for res in steps(llm, seed, groups, per_group):
+        pass
+    return res
+
+
+def steps(llm, seed: int = 0, groups: int = 6, per_group: int = 5, prefix: str = ""):
+    """:func:`run` one engine step at a time: yields the (growing) result
+    after each step, so several engines can be driven in lockstep.  Request
+    ids start with ``prefix`` (engines sharing a process keep them apart)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -55,14 +65,14 @@ def run(llm, seed: int = 0, groups: int = 6, per_group: int = 5) -> TrafficResul
     step = 0
     pending = []
     for g in range(groups):
-        prefix = [rng.randrange(1, 500) for _ in range(BLOCK_SIZE * rng.choice((2, 3)))]
+        head = [rng.randrange(1, 500) for _ in range(BLOCK_SIZE * rng.choice((2, 3)))]
         for i in range(per_group):
             tail = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 40))]
-            rid = f"g{g}-r{i}"
+            rid = f"{prefix}g{g}-r{i}"
             max_tokens = rng.choice((8, 32, 96))
             # cancel moments: never, before its first step, mid prefill/decode
             cancel = rng.choice((-1, -1, -1, 0, 1, 3, 8))
-            pending.append((g * 3 + i, rid, prefix + tail, max_tokens, cancel))
+            pending.append((g * 3 + i, rid, head + tail, max_tokens, cancel))
     pending.sort()
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][0] <= step:
@@ -80,11 +90,11 @@ def run(llm, seed: int = 0, groups: int = 6, per_group: int = 5) -> TrafficResul
             if out.finished:
                 live.pop(out.request_id, None)
                 res.finished += 1
-                res.outputs[out.request_id] = list(out.outputs[0].token_ids)
+                res.outputs[out.request_id[len(prefix):]] = list(out.outputs[0].token_ids)
                 res.cached_tokens += out.num_cached_tokens or 0
                 res.prompt_tokens += len(out.prompt_token_ids or ())
         step += 1
         if step > 5000:
             raise RuntimeError("traffic did not drain")
-    res.steps = step
-    return res
+        res.steps = step
+        yield res

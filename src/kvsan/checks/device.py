@@ -143,6 +143,8 @@ class DeviceChecker:
         self._mv = tuple(memoryview(a) for a in self._np) if host else None
         #: ``kvsan._devicefast`` for the guard and checksums on host tables
         self._fast = native.DEVICEFAST if host else None
+        #: (slot mapping tensor, its address, its numpy view): see _host_slots
+        self._slots_view: tuple = (None, 0, None)
         #: prefix hits served this step, checked once this step's writes are known
         self.step_hits: list[tuple[str, int]] = []
         # sealing and checksums
@@ -478,11 +480,11 @@ class DeviceChecker:
             return
         self.counters["guarded_tokens"] += total
         ids = [self._rint(r) for r in batch_rids]
-        if self._np is None or slot_mapping.device.type != "cpu":
+        host = self._host_slots(slot_mapping, total) if self._np is not None else None
+        if host is None:
             bad = self._bad_writes_device(slot_mapping[:total], ids, tokens_per_req)
         elif self._fast is not None:
-            bad = self._fast.guard(slot_mapping.numpy(), ids, tokens_per_req, *self._np,
-                                   self.block_size)
+            bad = self._fast.guard(host, ids, tokens_per_req, *self._np, self.block_size)
         else:
             bad = self._bad_writes_host(slot_mapping[:total], ids, tokens_per_req)
         self.check_hits_written()
@@ -500,6 +502,20 @@ class DeviceChecker:
             self._report(kinds.OVERWRITE_SHARED_BLOCK,
                          f"{rid} writes block {b}, which is {why}",
                          [b], holders or {rid}, rid)
+
+    def _host_slots(self, slot_mapping: torch.Tensor, total: int):
+        """A numpy view of a slot mapping in host memory (None: on a device).
+        vLLM's V1 runner fills one persistent buffer in place, so the view
+        is kept across steps for the same tensor at the same address (the
+        tensor is held: its identity cannot be reused)."""
+        last = self._slots_view
+        ptr = slot_mapping.data_ptr()
+        if last[0] is slot_mapping and last[1] == ptr and last[2] is not None \
+                and len(last[2]) >= total:
+            return last[2]
+        view = slot_mapping.numpy() if slot_mapping.device.type == "cpu" else None
+        self._slots_view = (slot_mapping, ptr, view)
+        return view
 
     def _bad_writes_host(self, slots: torch.Tensor, ids: list[int],
                          tokens_per_req: Sequence[int]) -> list[list[int]]:

@@ -16,38 +16,56 @@ block tables and cache tensors are all visible around ``execute_model``.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
 from ..checks.device import DeviceChecker
+from ..report import KVSanViolation
 from . import Target
-from .vllm_allocator import _guard
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
 
 _checkers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: runner -> (its cache tensors, their block-major views)
+_layer_views: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+#: one-entry caches in front of those two: [weak ref to the runner, value].
+#: A WeakKeyDictionary lookup makes a weak reference per call, and between
+#: two forward passes every such call costs several µs (cold caches).
+_LAST_CHECKER: list = [None, None]
+_LAST_LAYERS: list = [None, None]
 
 
-_layer_views: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # runner -> (src, views)
+def _cached(last: list, table, runner):
+    ref = last[0]
+    if ref is not None and ref() is runner:
+        return last[1]
+    value = table.get(runner)
+    if value is not None:
+        last[:] = [weakref.ref(runner), value]
+    return value
 
 
 def _layers(runner) -> list:
     """Block-major views of the runner's cache tensors, built once per cache
-    allocation rather than twice per step; rebuilt when the tensors change."""
+    allocation rather than twice per step; rebuilt when the tensors change
+    (vLLM allocates new tensors when it reallocates the cache).  Kept with
+    the tensors themselves, so a new tensor is told by identity (the kept
+    ones stay alive: no id can be reused)."""
     caches = runner.kv_caches
     tensors = list(caches.values()) if isinstance(caches, dict) else caches
-    key = tuple(t.data_ptr() for t in tensors)
-    cached = _layer_views.get(runner)
-    if cached is not None and cached[0] == key:
+    cached = _cached(_LAST_LAYERS, _layer_views, runner)
+    if cached is not None and len(cached[0]) == len(tensors) \
+            and all(map(operator.is_, cached[0], tensors)):
         return cached[1]
     from vllm.v1.kv_cache_interface import group_kernel_blocks
 
     nb = runner.kv_cache_config.num_blocks
-    views = [group_kernel_blocks(t, nb) for t in tensors]
-    _layer_views[runner] = (key, views)
-    return views
+    entry = _layer_views[runner] = (tuple(tensors), [group_kernel_blocks(t, nb) for t in tensors])
+    _LAST_LAYERS[:] = [weakref.ref(runner), entry]
+    return entry[1]
 
 
 def _dguard(rt, where: str, fn, *args):
@@ -55,13 +73,20 @@ def _dguard(rt, where: str, fn, *args):
     ``rt.device_s`` (so the two sides' costs can be told apart in one run)."""
     t0 = _perf_counter()
     try:
-        return _guard(rt, where, fn, *args)
+        return fn(*args)
+    except KVSanViolation:
+        raise
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        rt.reporter.internal_error(where, e)
+        return None
     finally:
-        rt.device_s += _perf_counter() - t0
+        dt = _perf_counter() - t0
+        rt.overhead_s += dt
+        rt.device_s += dt
 
 
 def _device_checker(rt, runner) -> DeviceChecker | None:
-    dc = _checkers.get(runner)
+    dc = _cached(_LAST_CHECKER, _checkers, runner)
     if dc is None:
         if not getattr(runner, "kv_caches", None):
             return None  # KV cache not allocated yet (profiling / warm-up)
@@ -169,7 +194,7 @@ def _execute_model(wrapped, instance, args, kwargs):
 def _prepare_inputs(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt.get()
-    dc = _checkers.get(instance) if rt is not None else None
+    dc = _cached(_LAST_CHECKER, _checkers, instance) if rt is not None else None
     if dc is not None:
         def check():
             num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
@@ -186,7 +211,7 @@ def _prepare_attn_v2(wrapped, instance, args, kwargs):
     kernel) come back from ``prepare_attn``, outside any CUDA graph."""
     ret = wrapped(*args, **kwargs)
     rt = _rt.get()
-    dc = _checkers.get(instance) if rt is not None else None
+    dc = _cached(_LAST_CHECKER, _checkers, instance) if rt is not None else None
     if dc is not None:
         def check():
             batch = args[0] if args else kwargs["input_batch"]
