@@ -47,7 +47,7 @@ def main(argv=None) -> int:
 
             res = sched.bench(sizes=(8,) if q else (16, 64, 256), steps=6 if q else 240,
                               chunks=2 if q else 6)
-            out += ["### Scheduler only (CPU time per step, lockstep)\n", sched.markdown(res)]
+            out += ["### Scheduler only (CPU time per step, one process per setting, stepped in turn)\n", sched.markdown(res)]
         elif part == "events":
             from . import events
 
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                                 per_group=2, absent=False)
             else:
                 res = e2e.bench()
-            out += ["### End to end (real engine, in-process, rebooted per run)\n",
+            out += ["### End to end (real engine, in-process mode, one process per setting, stepped in turn)\n",
                     e2e.markdown(res)]
         out.append(f"\n_{part}: {time.time() - t0:.0f} s_\n")
         print(f"[benchmarks] {part} done in {time.time() - t0:.0f} s", file=sys.stderr,

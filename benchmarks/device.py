@@ -1,9 +1,13 @@
-"""Device-side cost per step: checksums and the write guard at
+"""Device-side cost per step: the write guard and checksums at
 ``KVSAN_CHECKSUM=off``, the default (``sample:4``) and ``all`` (+ poison),
 on the real engine with the same seeded traffic, side by side with kvsan
-off and with kvsan's allocator side alone (device hooks not installed),
-alternating over rounds.  Ratios of the median process CPU time of
-``engine.step()`` with one compute thread, and of tokens per CPU second.
+off and with kvsan's allocator side alone (device hooks not installed).
+
+One in-process-mode engine per setting, each in its own process, stepped in
+turn (:mod:`benchmarks.lanes`, as ``benchmarks.e2e``).  Reported: CPU time
+per step against off and against the allocator side alone (what the device
+checks themselves add), and kvsan's own worker-side time measured inside
+the steps.
 
     .venv/bin/python -m benchmarks.device [--rounds 3] [--model DIR]
 """
@@ -11,10 +15,6 @@ alternating over rounds.  Ratios of the median process CPU time of
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import sys
 
 from .common import median, ratio_cell, table
 
@@ -29,58 +29,45 @@ SETTINGS = {
 }
 
 
-def _spawn(env_extra: dict, model: str, seed: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
-    no_device = env_extra.get("_NO_DEVICE") == "1"
-    env.update({k: v for k, v in env_extra.items() if not k.startswith("_")},
-               VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    # one compute thread, ratios of process CPU time per step (as e2e.py):
-    # wall time on a shared machine mostly measures the neighbours
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    code = (("import kvsan.plugin as p; p._install_device_hooks = lambda *a: None; "
-             if no_device else "") +
-            f"import json; from benchmarks.e2e import one_run; "
-            f"print('KVSAN_BENCH ' + json.dumps(one_run({model!r}, 6, 5, {seed})))")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                       text=True, cwd=root, timeout=900)
-    for line in p.stdout.splitlines():
-        if line.startswith("KVSAN_BENCH "):
-            return json.loads(line[len("KVSAN_BENCH "):])
-    raise RuntimeError(p.stderr[-3000:])
-
-
 def bench(model: str, rounds: int = 3, seed: int = 0) -> dict:
-    names = list(SETTINGS)
-    runs = {n: [] for n in names}
-    for r in range(rounds):
-        for n in names[r % len(names):] + names[:r % len(names)]:
-            runs[n].append(_spawn(SETTINGS[n], model, seed))
-    return runs
+    from . import e2e, lanes
+
+    spec = {}
+    for name, env in SETTINGS.items():
+        code = (("import kvsan.plugin as p; p._install_device_hooks = lambda *a: None\n"
+                 if env.get("_NO_DEVICE") else "") +
+                f"from benchmarks.e2e import serve_lane; serve_lane({model!r}, {rounds}, 6, 5, "
+                f"{seed})")
+        spec[name] = (code, {k: v for k, v in env.items() if not k.startswith("_")})
+    got = lanes.run(spec)
+    e2e.summarize(got, rounds)  # the same outputs everywhere, no violation
+    return {name: {"per_round": [sum(x["ns"] for x in g["steps"] if x["round"] == r) / 1e9
+                                 for r in range(rounds)],
+                   "steps": [x["steps"] for x in g["summary"]["rounds"]],
+                   "kvsan_s": [x["kvsan_s"] for x in g["summary"]["rounds"]],
+                   "device_s": [x["device_s"] for x in g["summary"]["rounds"]]}
+            for name, g in got.items()}
 
 
 def markdown(runs: dict) -> str:
     """Each setting against kvsan off, and the device-side settings against
     the allocator side alone (what the device checks themselves add)."""
-    off, alloc = runs["off"], runs["allocator only"]
-    key = "cpu_step_ms"
+    off, alloc = runs["off"]["per_round"], runs["allocator only"]["per_round"]
     rows = []
-    for n, rs in runs.items():
-        steps = [x["steps"] for x in rs]
+    for n, r in runs.items():
+        cpu = r["per_round"]
         rows.append([
-            n, f"{median([x[key] for x in rs]):.2f}",
-            ratio_cell([x[key] / o[key] for x, o in zip(rs, off)]),
-            ratio_cell([x[key] / a[key] for x, a in zip(rs, alloc)])
-            if n != "allocator only" else "-",
-            f"{median([x['device_s'] / s * 1e3 for x, s in zip(rs, steps)]):.2f}",
-            f"{median([x['device_s'] / x['steps_s'] for x in rs]) * 100:.1f}%",
-            f"{median([(x['kvsan_s'] - x['device_s']) / x['steps_s'] for x in rs]) * 100:.1f}%",
+            n, f"{median([c / s * 1e3 for c, s in zip(cpu, r['steps'])]):.2f}",
+            f"**{sum(cpu) / sum(off):.3f}x** ({ratio_cell([c / o for c, o in zip(cpu, off)])})",
+            f"{sum(cpu) / sum(alloc):.3f}x" if n not in ("off", "allocator only") else "-",
+            f"{median([d / s * 1e3 for d, s in zip(r['device_s'], r['steps'])]):.3f}",
+            f"{median([d / c for d, c in zip(r['device_s'], cpu)]) * 100:.1f}%",
+            f"{median([(k - d) / c for k, d, c in zip(r['kvsan_s'], r['device_s'], cpu)]) * 100:.1f}%",
         ])
-    return table(["setting", "step CPU ms (median)", "step / off (noisy)",
-                  "step / allocator only (noisy)", "kvsan device-side ms per step",
-                  "device-side share of step time", "allocator-side checks share (lower bound)"], rows)
+    return table(["setting", "CPU ms per step", "CPU time / off (all rounds; per round)",
+                  "CPU time / allocator only", "kvsan device-side ms per step",
+                  "device-side share, in-run", "allocator-side share, in-run"], rows)
+
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m benchmarks.device")

@@ -128,7 +128,7 @@ def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) 
             dt = clock() - t0
             if got is not None:
                 state["res"] = got
-                return dt, state["round"]
+                return {"ns": dt, "round": state["round"]}
             res, (k0, d0), (k1, d1) = state["res"], state["kvsan"], own_time()
             state["rounds"].append({
                 "tokens": sum(len(v) for v in res.outputs.values()), "steps": res.steps,
@@ -172,9 +172,9 @@ def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, see
 
 def summarize(got: dict, rounds: int) -> dict:
     """Ratios to off from the lanes' steps: per round and over all rounds."""
-    per_round = {s: [sum(ns for ns, r in g["steps"] if r == k) for k in range(rounds)]
+    per_round = {s: [sum(x["ns"] for x in g["steps"] if x["round"] == k) for k in range(rounds)]
                  for s, g in got.items()}
-    med_step = {s: statistics.median(ns for ns, _ in g["steps"]) for s, g in got.items()}
+    med_step = {s: statistics.median(x["ns"] for x in g["steps"]) for s, g in got.items()}
     summ = {s: g["summary"] for s, g in got.items()}
     outs = {(x["tokens"], x["outputs"]) for sm in summ.values() for x in sm["rounds"]}
     if len(outs) != 1:

@@ -1,9 +1,9 @@
 """Per-event benchmark: what kvsan adds to each allocator call of vLLM's own
 ``BlockPool`` (allocate, touch, free, cache, evict), as a ratio on / off.
 
-Two real pools with the same seeded call sequence, one built with kvsan
-active, one without; kvsan's patches are switched between them batch by
-batch, so both see the same machine drift.  Calls are made inside a request
+Two real pools with the same seeded call sequence, one with kvsan
+installed, one without, each in its own process (:mod:`benchmarks.lanes`),
+run batch by batch in turn, so both see the same machine drift.  Calls are made inside a request
 owner context, as vLLM's managers make them (kvsan's manager-level hooks are
 measured by the scheduler benchmark).  A cycle, per request of ``k`` blocks:
 ``get_new_blocks(k)`` (allocate; from the second cycle it reuses cached free
@@ -95,40 +95,46 @@ class PoolLane:
         self.cycle += 1
 
 
+def serve_lane(setting: str, num_blocks: int, k: int, batch: int, batches: int) -> None:
+    """A lane process (:func:`benchmarks.lanes.serve`): one pool, kvsan
+    installed for ``setting`` once; one batch cycle per command, each
+    event's CPU time in its record."""
+    from . import lanes
+
+    lane = PoolLane(setting, num_blocks, k, batch)
+    gc.collect()
+    gc.freeze()  # as vLLM's EngineCore does after start-up
+
+    def stepper():
+        if lane.cycle >= batches:
+            return None
+        lane.run_batch()
+        return {e: lane.times[e][-1] for e in EVENTS}
+
+    stepper.summary = lambda: {"violations": [v.kind for v in lane.rt.violations()]
+                               if lane.rt is not None else []}
+    lanes.serve(stepper)
+
+
 def bench(num_blocks: int = 4096, k: int = 4, batch: int = 64, batches: int = 60) -> dict:
     """Per event: ratio on / off of the time per batch, median and spread
     over batches, and the absolute cost per call."""
-    from kvsan import hooks
-    from kvsan import runtime as _rt
+    from . import lanes
 
-    from .sched import _activate
-
-    lanes = [PoolLane(s, num_blocks, k, batch) for s in ("off", "default")]
-    gc.collect()
-    gc.freeze()  # as vLLM's EngineCore does after start-up
-    try:
-        for i in range(batches):
-            for lane in (lanes if i % 2 == 0 else lanes[::-1]):
-                _activate(lane)
-                lane.run_batch()
-    finally:
-        gc.unfreeze()
-        from kvsan.hooks import vllm_identity
-
-        vllm_identity.uninstall()
-        hooks.uninstrument()
-        _rt.set_runtime(None)
-    off, on = lanes
-    if on.rt.violations():
-        raise AssertionError([v.kind for v in on.rt.violations()])
+    code = ("from benchmarks.events import serve_lane; serve_lane({!r}, %d, %d, %d, %d)"
+            % (num_blocks, k, batch, batches))
+    got = lanes.run({s: (code.format(s), {}) for s in ("off", "default")})
+    if got["default"]["summary"]["violations"]:
+        raise AssertionError(got["default"]["summary"]["violations"])
+    off, on = ({e: [x[e] for x in got[s]["steps"]] for e in EVENTS} for s in ("off", "default"))
     calls = {"allocate": batch, "cache": batch, "touch": batch, "free": 2 * batch, "evict": 1}
     res = {}
     for e in EVENTS:
-        ratios = [a / b for a, b in zip(on.times[e][2:], off.times[e][2:]) if b]
+        ratios = [a / b for a, b in zip(on[e][2:], off[e][2:]) if b]
         res[e] = {
             "ratios": ratios,
-            "off_us": median(off.times[e][2:]) / calls[e] / 1e3,
-            "on_us": median(on.times[e][2:]) / calls[e] / 1e3,
+            "off_us": median(off[e][2:]) / calls[e] / 1e3,
+            "on_us": median(on[e][2:]) / calls[e] / 1e3,
         }
     res["_params"] = {"num_blocks": num_blocks, "k": k, "batch": batch, "batches": batches}
     return res

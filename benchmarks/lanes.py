@@ -16,8 +16,9 @@ single hook).  That cost is the benchmark's, not kvsan's.
 
 Protocol: the coordinator writes ``step`` lines to the lane's stdin; the
 lane answers each with one ``KVSAN_LANE {json}`` line on stdout (vLLM's own
-logging may share stdout: other lines are skipped), ``{"ns": ...,
-"round": ...}`` for a step or ``{"end": {...}}`` when its work is done.
+logging may share stdout: other lines are skipped): the step's record (a
+dict: its CPU time and whatever else the lane measures) or ``{"end":
+{...}}`` when its work is done.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ PREFIX = "KVSAN_LANE "
 
 # ------------------------------------------------------------- lane side
 def serve(stepper) -> None:
-    """Run in the lane process: ``stepper()`` takes one step and returns
-    (CPU ns, round) or None when done; ``stepper.summary()`` is sent last."""
+    """Run in the lane process: ``stepper()`` takes one step and returns its
+    record (a JSON-able dict), or None when done; ``stepper.summary()`` is
+    sent last."""
     out = sys.stdout
     out.write(PREFIX + json.dumps({"ready": True}) + "\n")
     out.flush()
@@ -46,8 +48,7 @@ def serve(stepper) -> None:
             out.write(PREFIX + json.dumps({"end": stepper.summary()}) + "\n")
             out.flush()
             return
-        ns, rnd = got
-        out.write(PREFIX + json.dumps({"ns": ns, "round": rnd}) + "\n")
+        out.write(PREFIX + json.dumps({"step": got}) + "\n")
         out.flush()
 
 
@@ -101,8 +102,8 @@ class LaneProcess:
 
 def run(lanes: dict[str, tuple[str, dict]]) -> dict[str, dict]:
     """Start one process per lane (name -> (python code, extra env)), step
-    them in turn until each is done.  Returns name -> {"steps": [(ns,
-    round)], "summary": ...}."""
+    them in turn until each is done.  Returns name -> {"steps": [each
+    step's record], "summary": ...}."""
     procs = {n: LaneProcess(n, code, env) for n, (code, env) in lanes.items()}
     res = {n: {"steps": [], "summary": None} for n in lanes}
     try:
@@ -120,7 +121,7 @@ def run(lanes: dict[str, tuple[str, dict]]) -> dict[str, dict]:
                     res[p.name]["summary"] = got["end"]
                     live.remove(p)
                 else:
-                    res[p.name]["steps"].append((got["ns"], got["round"]))
+                    res[p.name]["steps"].append(got["step"])
         print(f"[lanes] {len(procs)} lanes, {k} turns in {time.time() - t0:.0f} s",
               file=sys.stderr, flush=True)
     finally:

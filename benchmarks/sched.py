@@ -242,7 +242,7 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
         if len(lane.times) >= steps:
             return None
         lane.step()
-        return lane.times[-1], 0
+        return {"ns": lane.times[-1]}
 
     def summary():
         rt = lane.rt
@@ -267,7 +267,7 @@ def run_lanes(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
     code = "from benchmarks.sched import serve_lane; serve_lane({!r}, %d, %d, %d, %d)" % (
         n, steps, seed, num_blocks)
     got = lanes.run({s: (code.format(s), {}) for s in settings})
-    out = {s: dict(g["summary"], times=[ns for ns, _ in g["steps"]]) for s, g in got.items()}
+    out = {s: dict(g["summary"], times=[x["ns"] for x in g["steps"]]) for s, g in got.items()}
     prints = {s: tuple(o["fingerprint"]) for s, o in out.items()}
     if len(set(prints.values())) != 1:
         raise AssertionError(f"kvsan changed the schedule: {prints}")

@@ -62,7 +62,8 @@ def test_e2e_aggregation(monkeypatch):
     slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}
 
     def fake(spec):
-        return {s: {"steps": [(int(1e6 * slow[s]), r) for r in range(2) for _ in range(5)],
+        return {s: {"steps": [{"ns": int(1e6 * slow[s]), "round": r}
+                              for r in range(2) for _ in range(5)],
                     "summary": {"rounds": [{"tokens": 10, "steps": 5, "outputs": "same",
                                             "kvsan_s": 0.0005, "device_s": 0.0001}] * 2,
                                 "violations": 0, "kvsan": s in ("default", "strict")}}
@@ -83,12 +84,12 @@ def test_lanes_step_processes_in_turn_and_name_a_failed_lane():
     from benchmarks import lanes
 
     code = ("from benchmarks import lanes\n"
-            "it = iter([(5, 0), (7, 0), (9, 1)])\n"
+            "it = iter([{'ns': 5}, {'ns': 7}, {'ns': 9, 'round': 1}])\n"
             "step = lambda: next(it, None)\n"
             "step.summary = lambda: {'done': True}\n"
             "lanes.serve(step)\n")
     got = lanes.run({"a": (code, {}), "b": (code, {"KVSAN": "1"})})
-    assert got["a"] == got["b"] == {"steps": [(5, 0), (7, 0), (9, 1)],
+    assert got["a"] == got["b"] == {"steps": [{"ns": 5}, {"ns": 7}, {"ns": 9, "round": 1}],
                                     "summary": {"done": True}}
     broken = "from benchmarks import lanes\nraise SystemExit('lane setup failed')\n"
     with pytest.raises(RuntimeError, match="(?s)lane bad exited.*lane setup failed"):

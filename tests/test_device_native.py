@@ -138,6 +138,7 @@ def test_checksums_agree_on_every_word_size_and_layout(monkeypatch):
     cases = [
         torch.randn(NB, 2, 3, 8, generator=gen),                       # 8-byte words
         torch.randn(NB, 3, 5, generator=gen).to(torch.float16),        # 2-byte words (30 B)
+        torch.randn(NB, 2, 7, generator=gen).to(torch.bfloat16),       # no numpy dtype
         (torch.randn(NB, 7, generator=gen) * 50).to(torch.int8),       # 1-byte words
         torch.randn(NB, 3, generator=gen),                             # 4-byte words (12 B)
         torch.randn(NB, 2, 1500, generator=gen, dtype=torch.float64),  # 3 weight periods
@@ -146,14 +147,14 @@ def test_checksums_agree_on_every_word_size_and_layout(monkeypatch):
     blocks = [0, 5, 23, 5]
     assert c.checksums(cases, blocks) == t.checksums(cases, blocks)
     assert c._native_sums(cases, blocks) is None  # declined: the transposed layer
-    assert c.checksums(cases[:5], blocks) == t.checksums(cases[:5], blocks)
-    assert c._native_sums(cases[:5], blocks) is not None
+    assert c.checksums(cases[:6], blocks) == t.checksums(cases[:6], blocks)
+    assert c._native_sums(cases[:6], blocks) is not None
     # one changed word changes the sum of that block and layer only
-    before = c.checksums(cases[:5], blocks)
-    cases[4][23].view(-1)[2999] += 1.0
-    after = c.checksums(cases[:5], blocks)
+    before = c.checksums(cases[:6], blocks)
+    cases[5][23].view(-1)[2999] += 1.0
+    after = c.checksums(cases[:6], blocks)
     assert [[i for i, (x, y) in enumerate(zip(a, b)) if x != y] for a, b in zip(before, after)] \
-        == [[], [], [4], []]
+        == [[], [], [5], []]
 
 
 def test_weights_are_odd_and_a_prefix_of_one_sequence():

@@ -81,6 +81,7 @@ def weights(n: int) -> np.ndarray:
 
 
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
+_INT_OF_SIZE = dict(_WORDS)
 
 
 def _as_words(rows: torch.Tensor) -> torch.Tensor:
@@ -315,9 +316,9 @@ class DeviceChecker:
         tensors, or None where it does not apply (not host memory, rows
         not contiguous)."""
         if self._host_layers[0] is not layers:
-            try:
-                host = [t.detach().numpy() for t in layers]
-            except (RuntimeError, TypeError):  # not in host memory, or no numpy dtype
+            try:  # the raw bytes, as ints of the element's size (numpy has no bfloat16)
+                host = [t.detach().view(_INT_OF_SIZE[t.element_size()]).numpy() for t in layers]
+            except (RuntimeError, TypeError, KeyError):  # not in host memory
                 host = None
             if host is not None:
                 longest = max((a[0].nbytes if len(a) else 0) for a in host)  # words, at most
