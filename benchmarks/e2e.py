@@ -53,49 +53,6 @@ def ensure_medium_model(seed: int = 0) -> str:
     return path
 
 
-def one_run(model: str, groups: int, per_group: int, seed: int) -> dict:
-    """Inside the subprocess: boot, run the traffic, time it."""
-    from vllm import LLM
-
-    from kvsan import current_runtime, traffic
-
-    llm = LLM(**traffic.engine_kwargs(model))
-    engine = llm.llm_engine
-    steps: list[float] = []
-    cpu_steps: list[float] = []
-    step = engine.step
-
-    def timed_step():
-        c0, t0 = time.process_time(), time.perf_counter()
-        out = step()
-        steps.append(time.perf_counter() - t0)
-        cpu_steps.append(time.process_time() - c0)
-        return out
-
-    engine.step = timed_step
-    traffic.run(llm, seed=seed, groups=2, per_group=2)  # warm-up
-    steps.clear()
-    cpu_steps.clear()
-    c0, t0 = time.process_time(), time.perf_counter()
-    res = traffic.run(llm, seed=seed, groups=groups, per_group=per_group)
-    wall = time.perf_counter() - t0
-    cpu = time.process_time() - c0
-    rt = current_runtime()
-    tokens = sum(len(v) for v in res.outputs.values())
-    return {"wall_s": wall, "tokens": tokens, "steps": res.steps,
-            "step_ms": statistics.median(steps) * 1e3,
-            # CPU time of the process (engine, model and kvsan all run in it):
-            # on a shared machine, wall time mostly measures the neighbours
-            "cpu_s": cpu, "cpu_step_ms": statistics.median(cpu_steps) * 1e3,
-            # kvsan's own time, measured inside the same steps: all of it,
-            # and the worker-side (device) part
-            "steps_s": sum(steps),
-            "kvsan_s": rt.overhead_s if rt is not None else 0.0,
-            "device_s": rt.device_s if rt is not None else 0.0,
-            "violations": len(rt.violations()) if rt is not None else 0,
-            "kvsan": rt is not None}
-
-
 def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) -> None:
     """A lane process (:func:`benchmarks.lanes.serve`): boot, warm up, then
     the traffic ``rounds`` times, one step per command (CPU time of this

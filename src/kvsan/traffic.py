@@ -54,7 +54,8 @@ def run(llm, seed: int = 0, groups: int = 6, per_group: int = 5) -> TrafficResul
 def steps(llm, seed: int = 0, groups: int = 6, per_group: int = 5, prefix: str = ""):
     """:func:`run` one engine step at a time: yields the (growing) result
     after each step, so several engines can be driven in lockstep.  Request
-    ids start with ``prefix`` (engines sharing a process keep them apart)."""
+    ids start with ``prefix`` (successive rounds on one engine keep them
+    apart)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
