@@ -22,8 +22,8 @@ from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
 from ..checks.device import DeviceChecker
-from ..report import KVSanViolation
 from . import Target
+from .vllm_allocator import _guard
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
@@ -73,16 +73,9 @@ def _dguard(rt, where: str, fn, *args):
     ``rt.device_s`` (so the two sides' costs can be told apart in one run)."""
     t0 = _perf_counter()
     try:
-        return fn(*args)
-    except KVSanViolation:
-        raise
-    except Exception as e:  # noqa: BLE001 - report first, never mask
-        rt.reporter.internal_error(where, e)
-        return None
+        return _guard(rt, where, fn, *args)
     finally:
-        dt = _perf_counter() - t0
-        rt.overhead_s += dt
-        rt.device_s += dt
+        rt.device_s += _perf_counter() - t0
 
 
 def _device_checker(rt, runner) -> DeviceChecker | None:
