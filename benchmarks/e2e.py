@@ -6,8 +6,8 @@ cost nothing measurable against it).
 
 Side by side (:mod:`benchmarks.lanes`): one in-process-mode engine per
 setting, each in its own process booted as a user would boot it (the
-plugin reads ``KVSAN`` at start-up), stepped in turn, the order rotated
-every step, over several rounds of the workload.  Every lane sees the same
+plugin reads ``KVSAN`` at start-up), stepped in turn in a new random order
+every turn, over several rounds of the workload.  Every lane sees the same
 machine at the same moments; booting them one after another instead left
 run-to-run drift on a shared 2-core host larger than kvsan's cost.
 
@@ -139,6 +139,9 @@ def summarize(got: dict, rounds: int) -> dict:
     bad = {s: sm["violations"] for s, sm in summ.items() if sm["violations"]}
     if bad:
         raise AssertionError(f"violations on clean traffic: {bad}")
+    wrong = {s: sm["kvsan"] for s, sm in summ.items() if sm["kvsan"] != (s not in ("off", "absent"))}
+    if wrong:  # a lane that measured something other than its setting
+        raise AssertionError(f"kvsan installed (True) or not (False) against the setting: {wrong}")
     off = per_round["off"]
     first = summ["off"]["rounds"][0]
     entry = {"tokens": first["tokens"], "steps": first["steps"], "rounds": rounds,
