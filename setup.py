@@ -2,7 +2,9 @@
 
 ``kvsan._frames`` reads the engine's call context from CPython 3.11's frame
 stack; ``kvsan._shadowfast`` applies clean allocator events to the shadow
-table; ``kvsan._tokenlinks`` computes the identity audit's token chain.
+table; ``kvsan._tokenlinks`` computes the identity audit's token chain;
+``kvsan._devicefast`` runs the worker's write guard and checksums over host
+memory.
 All are optional: where they cannot be built (no compiler, another
 Python), kvsan runs its pure-Python paths, which give the same results.
 """

@@ -11,9 +11,9 @@ request, so cached blocks are evicted and running requests are preempted.
 Side by side in lockstep (:mod:`benchmarks.lanes`): one scheduler per
 setting (off, default, strict, and default with kvsan's C speed-ups off),
 each in its own process with kvsan installed for its whole life or not at
-all, advance one step each in turn, in a new random order every turn.  A shared 2-core
-machine drifts by tens of percent over seconds; step-level interleaving
-puts every setting under the same drift.  (Switching kvsan's patches in one
+all, advance one step each in turn, in a new random order every turn.  A
+shared 2-core machine drifts by tens of percent over seconds; step-level
+interleaving puts every setting under the same drift.  (Switching kvsan's patches in one
 process between steps, as :func:`run_lockstep` still does for
 ``benchmarks.hookcost``, costs each switched step about 5% by itself: CPython
 drops its caches for a class that was just modified.)  Measured: the thread

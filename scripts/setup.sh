@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One-time set-up of .venv for kvsan on a fresh machine (idempotent: re-runs
-# only when pyproject.toml, setup.py or the C sources change).  Installs kvsan with the CPU engine and
-# the test tools.
+# only when pyproject.toml, setup.py or the C sources change).  Installs
+# kvsan with the CPU engine and the test tools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -20,7 +20,7 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
 fi
 stamp=.venv/.kvsan-setup
 # re-install when the package definition or the C speed-ups change (the
-# editable install builds kvsan._frames / kvsan._shadowfast in place)
+# editable install builds the C modules in place: see setup.py)
 want=$(cat pyproject.toml setup.py src/kvsan/*.c | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0

@@ -481,13 +481,11 @@ class DeviceChecker:
             return
         self.counters["guarded_tokens"] += total
         ids = [self._rint(r) for r in batch_rids]
-        host = self._host_slots(slot_mapping, total) if self._np is not None else None
-        if host is None:
-            bad = self._bad_writes_device(slot_mapping[:total], ids, tokens_per_req)
-        elif self._fast is not None:
+        host = self._host_slots(slot_mapping, total) if self._fast is not None else None
+        if host is not None:  # one C loop over host memory
             bad = self._fast.guard(host, ids, tokens_per_req, *self._np, self.block_size)
-        else:
-            bad = self._bad_writes_host(slot_mapping[:total], ids, tokens_per_req)
+        else:  # torch ops, on the tables' device (on a CPU device: the same memory)
+            bad = self._bad_writes(slot_mapping[:total], ids, tokens_per_req)
         self.check_hits_written()
         for b, w in bad:
             rid = self._int_rid[w]
@@ -518,30 +516,13 @@ class DeviceChecker:
         self._slots_view = (slot_mapping, ptr, view)
         return view
 
-    def _bad_writes_host(self, slots: torch.Tensor, ids: list[int],
-                         tokens_per_req: Sequence[int]) -> list[list[int]]:
-        """:meth:`guard`'s batched check on host tables: counts the slots
-        written into ``fill`` and returns the distinct (block, writer int)
-        pairs of writes outside the writer's own unsealed blocks."""
-        lut, _, sealed = self._np
-        s = slots.numpy()
-        valid = s >= 0
-        blk = s // self.block_size
-        np.clip(blk, 0, self.num_blocks - 1, out=blk)
-        # torch's indexed add on the same memory: numpy's add.at is 10x slower
-        self.fill.index_add_(0, torch.from_numpy(blk).long(),
-                             torch.from_numpy(valid.astype(np.int32)))
-        writer = np.repeat(np.asarray(ids, dtype=np.int32), np.asarray(tokens_per_req))
-        bad = valid & ((lut[blk] != writer) | sealed[blk])
-        if not bad.any():
-            return []
-        pairs = np.unique(np.stack([blk[bad], writer[bad].astype(blk.dtype)], 1), axis=0)
-        return [tuple(p) for p in pairs.tolist()]
-
-    def _bad_writes_device(self, slots: torch.Tensor, ids: list[int],
-                           tokens_per_req: Sequence[int]) -> list[list[int]]:
-        """:meth:`_bad_writes_host` as torch ops on the tables' device; one
-        device-to-host read (whether anything is bad) in the clean case."""
+    def _bad_writes(self, slots: torch.Tensor, ids: list[int],
+                    tokens_per_req: Sequence[int]) -> list[tuple[int, int]]:
+        """:meth:`guard`'s batched check as torch ops on the tables' device:
+        counts the slots written into ``fill`` and returns the distinct
+        (block, writer int) pairs of writes outside the writer's own
+        unsealed blocks.  One device-to-host read (whether anything is bad)
+        in the clean case."""
         slots = slots.to(self.device)
         ids = torch.as_tensor(ids, dtype=torch.int32, device=self.device)
         counts = torch.as_tensor(list(tokens_per_req), device=self.device)

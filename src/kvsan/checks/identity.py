@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 
 from .. import kinds
 from ..report import Violation
+from . import native
 
 FIELDS = ("tokens", "lora", "cache_salt", "multimodal", "prompt_embeds",
           "weights_epoch", "kv_cache_dtype")
@@ -59,14 +60,8 @@ def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
     global _links
-    _links = None
-    if on:
-        try:
-            from .. import _tokenlinks
-        except ImportError:
-            return False
-        if getattr(_tokenlinks, "ABI", None) == 1:
-            _links = _tokenlinks.links
+    mod = native.load("_tokenlinks", 1) if on else None
+    _links = mod.links if mod is not None else None
     return _links is not None
 
 

@@ -232,8 +232,7 @@ def use_native(on: bool = True) -> bool:
     from ..checks import identity, native
 
     NATIVE = SHADOWFAST = None
-    links = identity.use_native(on)
-    links = native.use_devicefast(on) and links
+    checks = identity.use_native(on) & native.use_devicefast(on)  # both, always
     if not on:
         return False
     frames = native.load("_frames", 1)
@@ -241,7 +240,7 @@ def use_native(on: bool = True) -> bool:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", 1)
-    return NATIVE is not None and SHADOWFAST is not None and links
+    return NATIVE is not None and SHADOWFAST is not None and checks
 
 
 def call_context(depth: int, owner_ctx: list) -> tuple[str, str | None] | None:
