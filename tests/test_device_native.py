@@ -1,6 +1,8 @@
-"""The device checker's three paths give the same results: ``kvsan._devicefast``
-(C over host memory), numpy views of the host tables, and torch ops on the
-tables' device (the CUDA path, run here on CPU).
+"""The device checker's three set-ups give the same results:
+``kvsan._devicefast`` (C over host tables), host tables without it (numpy
+and memoryview table writes; the guard and checksums as torch ops), and
+tables on the device (every operation a torch op: the CUDA path, run here
+on CPU).
 
 Seeded random traffic with faults drives one checker per path through the
 same calls; every violation, every table and every checksum must agree.
