@@ -354,8 +354,13 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     # the disconnects reached the scheduler as aborts
     idle = server.owners()["engines"][0]
     assert {r["state"] for r in idle["owners"]} <= {"finished", "aborted"}
+    # every request ended once.  A disconnect races the engine: a stream the
+    # client dropped may already have finished there (vLLM coalesces the
+    # deltas of a slow reader), so it counts as finished, never the reverse
     cancelled = sum(1 for r, _ in results if r == "cancelled")
-    assert idle["recent_ends"] == {"aborted": cancelled, "finished": len(plan) - cancelled}
+    ends = idle["recent_ends"]
+    assert set(ends) <= {"aborted", "finished"} and sum(ends.values()) == len(plan), ends
+    assert 1 <= ends.get("aborted", 0) <= cancelled, (ends, cancelled)
     assert idle["pool"]["orphans"] == 0 and idle["pool"]["live_owned"] == 0
     cli = kvsan_owners(server, "--fail-on-orphans")
     assert cli.returncode == 0, cli.stdout + cli.stderr
@@ -377,7 +382,9 @@ def test_each_process_also_serves_its_own_exporter(server):
 def test_injected_fault_raises_the_violation_counter(server, prometheus):
     before = metric(server.metrics(), "kvsan_violations_total", kind="leaked_blocks")
     work = prompts(seed=2, groups=1, per_group=3)
-    plan = [(p, 160, 2, f"{FAULT_MARK}{i}") for i, (_, p) in enumerate(work)]
+    # long enough that the disconnect after two chunks beats the end (the
+    # leak is injected on abort only)
+    plan = [(p, 400, 2, f"{FAULT_MARK}{i}") for i, (_, p) in enumerate(work)]
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(lambda a: server.stream(*a[:3], request_id=a[3]), plan))
     assert all(r == "cancelled" for r, _ in results)
