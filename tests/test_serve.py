@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kvsan import owners
+from kvsan import exporter, owners
 from kvsan.reportfile import violations
 from kvsan.tinymodel import ensure_tiny_model
 
@@ -64,24 +64,29 @@ main()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
-def free_port_block() -> int:
-    """A base port with base, base+1 and base+100 free (kvsan's exporters)."""
-    for _ in range(50):
-        base = free_port()
-        if base + 100 > 65535:
-            continue
+def free_port_block(offsets=(0, 1, 100)) -> int:
+    """A base port with base + each offset free (kvsan's exporters: base,
+    base+1 and base+100), below the kernel's ephemeral range: a port handed
+    out by ``bind(0)`` and released can be taken again by one of the
+    engine's own outgoing connections during its tens of seconds of boot."""
+    rng = random.SystemRandom()
+    hi = _ephemeral_low() - max(offsets) - 1
+    for _ in range(200):
+        base = rng.randrange(10000, hi)
+        socks = []
         try:
-            socks = []
-            for off in (0, 1, 100):
+            for off in offsets:
                 sk = socket.socket()
                 socks.append(sk)
-                sk.bind(("127.0.0.1", base + off))
+                sk.bind(("0.0.0.0", base + off))  # kvsan's exporters bind all addresses
             return base
         except OSError:
             continue
@@ -89,6 +94,10 @@ def free_port_block() -> int:
             for sk in socks:
                 sk.close()
     raise RuntimeError("no free port block")
+
+
+def free_port() -> int:
+    return free_port_block((0,))
 
 
 def http_get(url: str, timeout: float = 30.0) -> str:
@@ -177,6 +186,12 @@ class Server:
             conn.close()
 
 
+def _gauge_pid(path) -> int | None:
+    """The pid in a live-gauge file's name (``gauge_livesum_<pid>.db``)."""
+    tail = path.name.rsplit("_", 1)[-1].split(".")[0]
+    return int(tail) if tail.isdigit() else None
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model = ensure_tiny_model()
@@ -195,6 +210,8 @@ def server(tmp_path_factory):
     )
     # and kvsan's own per-process exporters: base +0 front end, +1 EngineCore, +100 worker
     metrics_base = free_port_block()
+    while port in (metrics_base, metrics_base + 1, metrics_base + 100):
+        metrics_base = free_port_block()
     env["KVSAN_METRICS_PORT"] = str(metrics_base)
     log = work / "serve.log"
     cmd = [sys.executable, "-c", VLLM_CLI, "serve", model, "--host", "127.0.0.1",
@@ -226,13 +243,17 @@ def server(tmp_path_factory):
                 proc.wait(90)
             except subprocess.TimeoutExpired:
                 clean = False
+        # a process still running after the front end's bounded wait keeps
+        # its file (it is killed below, where nothing sweeps after it)
+        outlived = {pid for pid in map(_gauge_pid, pmdir.glob("gauge_live*"))
+                    if pid is not None and exporter._alive(pid)}
         try:
             os.killpg(proc.pid, signal.SIGKILL)  # anything left in its session
         except ProcessLookupError:
             pass
         proc.wait(30)
     # livesum gauges of processes that are gone must not keep counting
-    left = sorted(p.name for p in pmdir.glob("gauge_live*"))
+    left = sorted(p.name for p in pmdir.glob("gauge_live*") if _gauge_pid(p) not in outlived)
     assert not clean or not left, f"live-gauge files left after shutdown: {left}"
 
 
@@ -326,8 +347,11 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     with ThreadPoolExecutor(max_workers=8) as pool:
         results = list(pool.map(lambda a: server.stream(*a), plan))
     spy.join()
-    assert sum(1 for r, _ in results if r == "cancelled") == sum(1 for *_, c in plan if c)
-    assert all(n > 0 for _, n in results)
+    # a slow reader gets the rest of a stream merged into one chunk (vLLM
+    # coalesces the deltas of a consumer that fell behind), so a stream may
+    # end before the chunk it was to disconnect after
+    for (r, n), (_, _, c) in zip(results, plan):
+        assert n > 0 and (r == "done" if c is None else r == "cancelled" or n < c), (r, n, c)
 
     doc = snapshot["doc"]["engines"][0]
     rows = [r for r in doc["owners"] if r["live_blocks"]]
@@ -387,12 +411,21 @@ def test_injected_fault_raises_the_violation_counter(server, prometheus):
     plan = [(p, 400, 2, f"{FAULT_MARK}{i}") for i, (_, p) in enumerate(work)]
     with ThreadPoolExecutor(max_workers=3) as pool:
         results = list(pool.map(lambda a: server.stream(*a[:3], request_id=a[3]), plan))
-    assert all(r == "cancelled" for r, _ in results)
+    assert all(r == "cancelled" or n < 2 for r, n in results), results
+
+    def ended():
+        rows = [r for r in server.owners()["engines"][0]["owners"] if FAULT_MARK in r["owner"]]
+        return (len(rows) == len(plan)
+                and all(r["state"] in ("aborted", "finished") for r in rows) and rows)
+    # a disconnect still races the engine: count the requests it aborted
+    aborted = sum(1 for r in wait_until(ended, 120, "the fault-marked requests to end")
+                  if r["state"] == "aborted")
+    assert aborted >= 1
 
     def leaked():
         m = server.metrics()
         return (metric(m, "kvsan_violations_total", kind="leaked_blocks", role="engine")
-                >= before + len(plan) and m)
+                >= before + aborted and m)
     wait_until(leaked, 120, "kvsan_violations_total{kind=leaked_blocks} to rise")
     wait_until(lambda: metric(server.metrics(), "kvsan_leaked_blocks", role="engine") > 0,
                60, "the leaked-blocks gauge")
@@ -404,9 +437,9 @@ def test_injected_fault_raises_the_violation_counter(server, prometheus):
     # `kvsan owners`: the aborted requests still hold their blocks, and no
     # live owner holds them: orphans
     doc = server.owners()["engines"][0]
-    leakers = [r for r in doc["owners"] if FAULT_MARK in r["owner"]]
-    assert len(leakers) == len(plan), doc["owners"]
-    assert all(r["state"] == "aborted" and r["leaked"] and r["live_blocks"] > 0 for r in leakers)
+    leakers = [r for r in doc["owners"] if FAULT_MARK in r["owner"] and r["state"] == "aborted"]
+    assert len(leakers) == aborted, doc["owners"]
+    assert all(r["leaked"] and r["live_blocks"] > 0 for r in leakers)
     assert doc["pool"]["orphans"] > 0 and doc["orphans"]
     assert all(FAULT_MARK in o["owners"][0] for o in doc["orphans"] if o["owners"])
     cli = kvsan_owners(server, "--fail-on-orphans")
@@ -491,13 +524,15 @@ def test_front_end_exit_waits_for_dying_processes_gauge_files(tmp_path):
     end keeps sweeping until the process is gone (bounded)."""
     import subprocess
 
-    from kvsan import exporter
-
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.4)"])
+    # alive until the test lets it go (a timed child could already be gone
+    # when the first sweep looks, on a loaded machine)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
     try:
         path = tmp_path / f"gauge_livesum_{child.pid}.db"
         path.write_bytes(b"")
         assert exporter.sweep_dead(str(tmp_path)) == []  # still alive: kept
+        threading.Timer(0.4, child.stdin.close).start()  # it dies while settle() waits
         assert exporter.settle(str(tmp_path), timeout=30) == [child.pid]
         assert not path.exists()
     finally:

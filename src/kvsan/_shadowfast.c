@@ -15,8 +15,13 @@
  * finds and reports the fault exactly as without this module.  Only a clean
  * event is applied here, with the same updates in the same order as the
  * Python code (tests/test_shadowfast.py drives both on the same sequences
- * and compares the whole table).  Per-owner bookkeeping (held counts,
- * since) and the counters stay in Python: one dict update per call.
+ * and compares the whole table).  The event's bookkeeping is done here too:
+ * the checker's counters, the shadow's owned / cached-free totals and each
+ * owner's held count (an owner's first and last reference go through the
+ * shadow's own ``_hold`` / ``_unhold``, which keep the "since" times), and
+ * the call site's interned id (a new site through ``site_id``).  In situ a
+ * Python call costs microseconds between the engine's work; these are a few
+ * dict updates.
  *
  * The module also holds the other loops over vLLM's blocks on the hot path,
  * which read the same block fields: the full audit's pool read
@@ -26,7 +31,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 1
+#define KVSAN_SHADOWFAST_ABI 2
 
 #include <structmember.h>
 
@@ -91,6 +96,10 @@ typedef struct {
     PyObject *rel_owner; /* list */
     PyObject *null;      /* frozenset of null block ids */
     PyObject *mism;      /* set: blocks with an unresolved count mismatch */
+    PyObject *sh;        /* the ShadowTable (totals, _hold/_unhold, site_id) */
+    PyObject *counters;  /* dict: the checker's event counters */
+    PyObject *held;      /* dict: owner -> references held (shadow.held) */
+    PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
     Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
     unsigned char *seen; /* scratch: blocks already met in this call */
     Py_ssize_t null_ids[4]; /* the null blocks (a pool has one) */
@@ -123,6 +132,10 @@ Table_dealloc(Table *self)
     Py_XDECREF(self->rel_owner);
     Py_XDECREF(self->null);
     Py_XDECREF(self->mism);
+    Py_XDECREF(self->sh);
+    Py_XDECREF(self->counters);
+    Py_XDECREF(self->held);
+    Py_XDECREF(self->site_ids);
     Py_buffer *bufs[] = {&self->nown, &self->cached, &self->acq_step,
                          &self->acq_site, &self->rel_step, &self->rel_site};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
@@ -137,9 +150,10 @@ Table_dealloc(Table *self)
 static int
 Table_init(Table *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"shadow", "mismatched", NULL};
-    PyObject *sh, *mism;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!", kwlist, &sh, &PySet_Type, &mism)) {
+    static char *kwlist[] = {"shadow", "mismatched", "counters", NULL};
+    PyObject *sh, *mism, *counters;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!O!", kwlist, &sh, &PySet_Type, &mism,
+                                     &PyDict_Type, &counters)) {
         return -1;
     }
     PyObject *num = PyObject_GetAttrString(sh, "num_blocks");
@@ -163,6 +177,7 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         {"own0", &self->own0, &PyList_Type},       {"more", &self->more, &PyDict_Type},
         {"hashes", &self->hashes, &PyList_Type},   {"acq_owner", &self->acq_owner, &PyList_Type},
         {"rel_owner", &self->rel_owner, &PyList_Type}, {"null", &self->null, &PyFrozenSet_Type},
+        {"held", &self->held, &PyDict_Type},       {"_site_ids", &self->site_ids, &PyDict_Type},
     };
     for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
         PyObject *o = PyObject_GetAttrString(sh, objs[i].name);
@@ -179,6 +194,8 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         Py_XSETREF(*objs[i].slot, o);
     }
     Py_XSETREF(self->mism, Py_NewRef(mism));
+    Py_XSETREF(self->sh, Py_NewRef(sh));
+    Py_XSETREF(self->counters, Py_NewRef(counters));
     if (PySet_GET_SIZE(self->null) > (Py_ssize_t)(sizeof(self->null_ids) / sizeof(self->null_ids[0]))) {
         PyErr_SetString(PyExc_ValueError, "Table: more null blocks than supported");
         return -1;
@@ -379,14 +396,171 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out)
     return r;
 }
 
+/* ---- the event's bookkeeping (what AllocatorChecker / ShadowTable do in
+ * Python after an event: counters, totals, held counts, site ids) ---- */
+enum { K_ALLOCATED, K_EVICTED, K_SHARED, K_RELEASED, K_N_OWNED, K_N_CACHED_FREE, K_HOLD,
+       K_UNHOLD, K_SITE_ID, N_KEYS };
+static const char *key_names[N_KEYS] = {"allocated", "evicted", "shared", "released",
+                                        "n_owned", "n_cached_free", "_hold", "_unhold",
+                                        "site_id"};
+static PyObject *keys[N_KEYS];
+
+/* dict[key] += d, a missing key counting 0 (collections.Counter's +=) */
+static int
+dict_add(PyObject *dict, PyObject *key, Py_ssize_t d)
+{
+    PyObject *had = PyDict_GetItemWithError(dict, key); /* borrowed */
+    if (had == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *dv = PyLong_FromSsize_t(d);
+    if (dv == NULL) {
+        return -1;
+    }
+    PyObject *v = had == NULL ? Py_NewRef(dv) : PyNumber_Add(had, dv);
+    Py_DECREF(dv);
+    if (v == NULL) {
+        return -1;
+    }
+    int r = PyDict_SetItem(dict, key, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* obj.name += d */
+static int
+attr_add(PyObject *obj, PyObject *name, Py_ssize_t d)
+{
+    PyObject *had = PyObject_GetAttr(obj, name);
+    if (had == NULL) {
+        return -1;
+    }
+    PyObject *dv = PyLong_FromSsize_t(d);
+    PyObject *v = dv == NULL ? NULL : PyNumber_Add(had, dv);
+    Py_DECREF(had);
+    Py_XDECREF(dv);
+    if (v == NULL) {
+        return -1;
+    }
+    int r = PyObject_SetAttr(obj, name, v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* the shadow's method keys[name](owner, k), its result dropped */
+static int
+call_shadow(Table *t, int name, PyObject *owner, Py_ssize_t k)
+{
+    PyObject *kv = PyLong_FromSsize_t(k);
+    if (kv == NULL) {
+        return -1;
+    }
+    PyObject *r = PyObject_CallMethodObjArgs(t->sh, keys[name], owner, kv, NULL);
+    Py_DECREF(kv);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* shadow._hold(owner, k): an owner that held nothing goes through Python
+ * (which records since when); else its count is updated in place */
+static int
+hold(Table *t, PyObject *owner, Py_ssize_t k)
+{
+    if (!k) {
+        return 0;
+    }
+    PyObject *had = PyDict_GetItemWithError(t->held, owner);
+    if (had == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    Py_ssize_t n = had != NULL && PyLong_CheckExact(had) ? PyLong_AsSsize_t(had) : 0;
+    if (n == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (n <= 0) {
+        return call_shadow(t, K_HOLD, owner, k);
+    }
+    return dict_add(t->held, owner, k);
+}
+
+/* shadow._unhold(owner, k): the owner's last references (or an unknown
+ * owner, which raises there as it would) go through Python; else its count
+ * is updated in place */
+static int
+unhold(Table *t, PyObject *owner, Py_ssize_t k)
+{
+    if (!k) {
+        return 0;
+    }
+    PyObject *had = PyDict_GetItemWithError(t->held, owner);
+    if (had == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    Py_ssize_t n = had != NULL && PyLong_CheckExact(had) ? PyLong_AsSsize_t(had) : 0;
+    if (n == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (n <= k) {
+        return call_shadow(t, K_UNHOLD, owner, k);
+    }
+    return dict_add(t->held, owner, -k);
+}
+
+/* shadow.site_id(site): an int is taken as already interned, a known site
+ * is a dict lookup, a new one goes through Python (-1 with an exception) */
+static int
+site_id(Table *t, PyObject *site)
+{
+    if (PyLong_Check(site)) {
+        return (int)PyLong_AsLong(site);
+    }
+    PyObject *sid = PyUnicode_CheckExact(site) ? PyDict_GetItemWithError(t->site_ids, site)
+                                               : NULL;
+    if (sid == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (sid != NULL) {
+        return (int)PyLong_AsLong(sid);
+    }
+    PyObject *got = PyObject_CallMethodObjArgs(t->sh, keys[K_SITE_ID], site, NULL);
+    if (got == NULL) {
+        return -1;
+    }
+    long v = PyLong_AsLong(got);
+    Py_DECREF(got);
+    return (int)v;
+}
+
+/* what AllocatorChecker's counters and ShadowTable.acquired / released do
+ * for an event applied here: counters[counter] += k (and "evicted" when
+ * some were), the totals, and the owner's held count (``sign`` +1 for
+ * references taken, -1 for references dropped) */
+static int
+bookkeep(Table *t, int counter, Py_ssize_t k, Py_ssize_t evicted, PyObject *owner,
+         Py_ssize_t d_owned, Py_ssize_t d_cached_free, int sign)
+{
+    if (dict_add(t->counters, keys[counter], k) < 0
+        || (evicted && dict_add(t->counters, keys[K_EVICTED], evicted) < 0)
+        || (d_owned && attr_add(t->sh, keys[K_N_OWNED], d_owned) < 0)
+        || (d_cached_free && attr_add(t->sh, keys[K_N_CACHED_FREE], d_cached_free) < 0)) {
+        return -1;
+    }
+    return sign > 0 ? hold(t, owner, k) : unhold(t, owner, k);
+}
+
 /* the arguments every event method takes: (blocks, owner, step, site), and a
  * scratch array for the block ids of the call (NULL with an exception) */
 static Py_ssize_t *
 event_args(Table *t, PyObject *args, PyObject **blocks, PyObject **owner, int *step,
            int *site)
 {
-    if (!PyArg_ParseTuple(args, "O!Uii", &PyList_Type, blocks, owner, step, site)
+    PyObject *site_obj;
+    if (!PyArg_ParseTuple(args, "O!UiO", &PyList_Type, blocks, owner, step, &site_obj)
         || !table_ok(t)) {
+        return NULL;
+    }
+    *site = site_id(t, site_obj);
+    if (*site == -1 && PyErr_Occurred()) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(*blocks);
@@ -473,6 +647,11 @@ Table_allocate(Table *t, PyObject *args)
         I32(t->acq_site)[b] = site;
     }
     PyMem_Free(ids);
+    Py_ssize_t ne = PyList_GET_SIZE(evicted);
+    if (bookkeep(t, K_ALLOCATED, k, ne, owner, k, -ne, 1) < 0) {
+        Py_DECREF(evicted);
+        return NULL;
+    }
     return evicted;
 error:
     for (Py_ssize_t j = 0; j < marked; j++) {
@@ -584,6 +763,9 @@ Table_share(Table *t, PyObject *args)
         I32(t->acq_site)[b] = site;
     }
     PyMem_Free(ids);
+    if (bookkeep(t, K_SHARED, m, 0, owner, newly, -claimed, 1) < 0) {
+        return NULL;
+    }
     return Py_BuildValue("(nnn)", m, newly, claimed);
 error:
     for (Py_ssize_t j = 0; j < m; j++) {
@@ -685,11 +867,15 @@ Table_snapshot(Table *t, PyObject *args)
 static PyObject *
 Table_release(Table *t, PyObject *args)
 {
-    PyObject *blocks, *snap, *owner;
-    int step, site;
-    if (!PyArg_ParseTuple(args, "O!O!Uii", &PyList_Type, &blocks, &PyList_Type, &snap, &owner,
-                          &step, &site)
+    PyObject *blocks, *snap, *owner, *site_obj;
+    int step;
+    if (!PyArg_ParseTuple(args, "O!O!UiO", &PyList_Type, &blocks, &PyList_Type, &snap, &owner,
+                          &step, &site_obj)
         || !table_ok(t)) {
+        return NULL;
+    }
+    int site = site_id(t, site_obj);
+    if (site == -1 && PyErr_Occurred()) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
@@ -841,6 +1027,10 @@ Table_release(Table *t, PyObject *args)
         Py_DECREF(key);
     }
     PyMem_Free(ids);
+    if (bookkeep(t, K_RELEASED, m, 0, owner, -unowned, unowned_cached, -1) < 0) {
+        Py_DECREF(freed);
+        return NULL;
+    }
     return Py_BuildValue("(nNnn)", m, freed, unowned, unowned_cached);
 error_freed:
     Py_DECREF(freed);
@@ -927,6 +1117,9 @@ Table_cache(Table *t, PyObject *arg)
             goto error;
         }
     }
+    if (unowned && attr_add(t->sh, keys[K_N_CACHED_FREE], unowned) < 0) {
+        goto error;
+    }
     return Py_BuildValue("(Nn)", ids, unowned);
 error:
     Py_DECREF(ids);
@@ -935,7 +1128,8 @@ error:
 
 static PyMethodDef Table_methods[] = {
     {"allocate", (PyCFunction)Table_allocate, METH_VARARGS,
-     "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean)"},
+     "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean); "
+     "site: a call site (interned here) or its id"},
     {"share", (PyCFunction)Table_share, METH_VARARGS,
      "share(blocks, owner, step, site) -> (taken, newly owned, of them cached), or None"},
     {"snapshot", (PyCFunction)Table_snapshot, METH_VARARGS,
@@ -1268,6 +1462,12 @@ PyInit__shadowfast(void)
     for (int i = 0; i < N_ATTRS; i++) {
         names[i] = PyUnicode_InternFromString(attr_names[i]);
         if (names[i] == NULL) {
+            return NULL;
+        }
+    }
+    for (int i = 0; i < N_KEYS; i++) {
+        keys[i] = PyUnicode_InternFromString(key_names[i]);
+        if (keys[i] == NULL) {
             return NULL;
         }
     }

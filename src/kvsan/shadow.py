@@ -150,25 +150,6 @@ class ShadowTable:
         if n:
             self._hold(owner, n)
 
-    def acquired(self, owner: str, k: int, newly_owned: int, claimed_cached: int) -> None:
-        """Bookkeeping of ``k`` references taken by ``owner`` whose per-block
-        updates were applied elsewhere (an adapter's native fast path):
-        ``newly_owned`` blocks went from no owner to one, ``claimed_cached``
-        of them were cached free blocks."""
-        self.n_owned += newly_owned
-        self.n_cached_free -= claimed_cached
-        if k:
-            self._hold(owner, k)
-
-    def released(self, owner: str, k: int, unowned: int, unowned_cached: int) -> None:
-        """The counterpart of :meth:`acquired` for ``k`` references dropped:
-        ``unowned`` blocks were left with no owner, ``unowned_cached`` of
-        them cached."""
-        self.n_owned -= unowned
-        self.n_cached_free += unowned_cached
-        if k:
-            self._unhold(owner, k)
-
     def remove_owner(self, b: int, owner: str) -> bool:
         """Drop one reference of ``owner`` on ``b``; False if it held none."""
         if self.own0[b] == owner:

@@ -61,29 +61,11 @@ class AllocatorChecker:
         self.recent_ends: dict[str, tuple[str, int]] = {}
         #: an engine adapter's fast path for clean events, or None.  It
         #: applies an event to the table only after checking that this
-        #: checker would find nothing wrong with it, and reports what it did
-        #: through the ``applied_*`` methods; anything else comes here.
+        #: checker would find nothing wrong with it, and does the event's
+        #: bookkeeping too (``counters``, the shadow's totals and held
+        #: counts, through ``_hold``/``_unhold`` for an owner's first and
+        #: last reference); anything else comes here.
         self.fast = None
-
-    # -- clean events applied by an adapter's fast path ----------------------
-    def applied_allocate(self, owner: str, k: int, evicted: list[int]) -> None:
-        counters = self.counters
-        counters["allocated"] += k
-        if evicted:
-            counters["evicted"] += len(evicted)
-        self.shadow.acquired(owner, k, k, len(evicted))
-
-    def applied_share(self, owner: str, k: int, newly_owned: int, claimed_cached: int) -> None:
-        self.counters["shared"] += k
-        self.shadow.acquired(owner, k, newly_owned, claimed_cached)
-
-    def applied_release(self, owner: str, k: int, unowned: int, unowned_cached: int) -> None:
-        self.counters["released"] += k
-        self.shadow.released(owner, k, unowned, unowned_cached)
-
-    def applied_cache(self, unowned: int) -> None:
-        """Blocks given a cache key, ``unowned`` of them newly cached free."""
-        self.shadow.n_cached_free += unowned
 
     # -- reporting helper ---------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, site):

@@ -239,7 +239,7 @@ def use_native(on: bool = True) -> bool:
     if frames is not None:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
-    SHADOWFAST = native.load("_shadowfast", 1)
+    SHADOWFAST = native.load("_shadowfast", 2)
     return NATIVE is not None and SHADOWFAST is not None and checks
 
 

@@ -106,7 +106,7 @@ def _pool_init(wrapped, instance, args, kwargs):
     )
     fast = _hooks.SHADOWFAST
     if fast is not None:
-        ck.fast = _guard(rt, "shadowfast", fast.Table, ck.shadow, ck._mismatched)
+        ck.fast = _guard(rt, "shadowfast", fast.Table, ck.shadow, ck._mismatched, ck.counters)
     if rt.metrics is not None:  # the pool's gauges exist before the first step
         _guard(rt, "metrics", rt.metrics.update_pool, rt.checkers[instance].shadow.stats())
 
@@ -127,13 +127,12 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
 
 def _allocated(ck, blocks, owner: str, site: str, step: int):
     """Fresh blocks handed to ``owner`` at scheduler step ``step``: the
-    native clean path when it applies, else the checker.  Returns the blocks
-    evicted to be reused."""
+    native clean path when it applies (the table and its bookkeeping in one
+    call), else the checker.  Returns the blocks evicted to be reused."""
     fast = ck.fast
     if fast is not None and type(blocks) is list:
-        evicted = fast.allocate(blocks, owner, step, ck.shadow.site_id(site))
+        evicted = fast.allocate(blocks, owner, step, site)
         if evicted is not None:
-            ck.applied_allocate(owner, len(blocks), evicted)
             return evicted
     return ck.on_allocate([(b.block_id, b.ref_cnt) for b in blocks], owner, site)
 
@@ -141,11 +140,8 @@ def _allocated(ck, blocks, owner: str, site: str, step: int):
 def _shared(ck, blocks: list, owner: str, site: str, step: int) -> None:
     """Cached blocks taken by ``owner`` (prefix hit or pin)."""
     fast = ck.fast
-    if fast is not None:
-        got = fast.share(blocks, owner, step, ck.shadow.site_id(site))
-        if got is not None:
-            ck.applied_share(owner, *got)
-            return
+    if fast is not None and fast.share(blocks, owner, step, site) is not None:
+        return
     ck.on_share([(b.block_id, b.ref_cnt, b.prev_free_block is not None)
                  for b in blocks if not b.is_null], owner, site)
 
@@ -200,12 +196,8 @@ def _released(ck, blocks: list, snap: list, owner: str | None, site: str, step: 
     clean (or the releaser is unknown) and the checker must look at it."""
     if owner is None:
         return None
-    got = ck.fast.release(blocks, snap, owner, step, ck.shadow.site_id(site))
-    if got is None:
-        return None
-    k, freed, unowned, unowned_cached = got
-    ck.applied_release(owner, k, unowned, unowned_cached)
-    return freed
+    got = ck.fast.release(blocks, snap, owner, step, site)
+    return None if got is None else got[1]
 
 
 def _make_release(arg_name: str):
@@ -266,9 +258,7 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
             fast = ck.fast
             got = fast.cache(blocks) if fast is not None and type(blocks) is list else None
             if got is not None:
-                ids, unowned = got
-                rt.journal.cached.extend(ids)
-                ck.applied_cache(unowned)
+                rt.journal.cached.extend(got[0])
                 return
             items = [(b.block_id, b.block_hash) for b in blocks
                      if b.block_hash is not None and not b.is_null]
