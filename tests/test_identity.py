@@ -212,13 +212,27 @@ def test_native_token_links_equal_the_python_chain():
             p = hash((p, tuple(toks[k * bs:(k + 1) * bs])))
             want.append(p)
         assert links(toks, bs, start, upto, parent) == want
-    # and through RequestIdentity, the Python loop against the native call
-    chains = []
-    for on in (True, False):
-        identity.use_native(on)
-        ident = identity.RequestIdentity((b"", b"", b""))
-        ident.extend(3, list(range(40)), 16, None, None)
-        ident.extend(5, list(range(80)), 16, None, None)
-        chains.append(ident.tok)
-    identity.use_native(True)
-    assert chains[0] == chains[1] and len(chains[0]) == 5
+    # and through RequestIdentity (a text-only chain: extend_text in one C
+    # call), the Python loop against the native calls, grown step by step
+    for trial in range(50):
+        toks = [rng.choice(edge + [rng.randrange(-10**6, 10**6)]) for _ in range(90)]
+        bs = rng.randrange(1, 20)
+        steps = sorted(rng.randrange(0, 12) for _ in range(4))
+        chains = []
+        for on in (True, False):
+            identity.use_native(on)
+            assert (identity._extend_text is not None) is on
+            ident = identity.RequestIdentity((b"", b"", b""))
+            for upto in steps:
+                ident.extend(upto, toks, bs, None, None)
+            chains.append((ident.tok, ident.mm, ident.emb))
+        identity.use_native(True)
+        assert chains[0] == chains[1], (trial, steps)
+        assert len(chains[0][0]) == len(chains[0][1]) == len(chains[0][2]) == steps[-1]
+        assert chains[0][1] == [b""] * steps[-1] == chains[0][2]
+    from kvsan._tokenlinks import extend_text
+
+    with pytest.raises(TypeError, match="extend_text"):
+        extend_text((), [], [], [], 16, 1)
+    with pytest.raises(ValueError, match="bs > 0"):
+        extend_text([], [], [], [1, 2], 0, 1)

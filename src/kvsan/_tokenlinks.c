@@ -13,7 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_TOKENLINKS_ABI 1
+#define KVSAN_TOKENLINKS_ABI 2
 
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
@@ -46,35 +46,13 @@ acc_finish(Py_uhash_t acc, Py_ssize_t len)
     return (Py_hash_t)acc;
 }
 
-/* links(tokens, bs, start, upto, parent) -> [link of block k for k in
- * range(start, upto)], each ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))``
- * starting from ``parent`` */
-static PyObject *
-links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+/* append to ``out`` the links of blocks [start, upto) of ``tokens``, each
+ * ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))`` starting from the
+ * link ``parent``; 0, or -1 with an exception */
+static int
+append_links(PyObject *out, PyObject *tokens, Py_ssize_t bs, Py_ssize_t start,
+             Py_ssize_t upto, Py_hash_t parent)
 {
-    if (nargs != 5 || !PyList_Check(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "links(tokens: list, bs, start, upto, parent)");
-        return NULL;
-    }
-    PyObject *tokens = args[0];
-    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
-    Py_ssize_t upto = PyLong_AsSsize_t(args[3]);
-    if (PyErr_Occurred()) {
-        return NULL;
-    }
-    if (bs <= 0 || start < 0 || upto < start) {
-        PyErr_SetString(PyExc_ValueError, "links: bs > 0 and 0 <= start <= upto");
-        return NULL;
-    }
-    Py_hash_t parent = PyObject_Hash(args[4]);
-    if (parent == -1 && PyErr_Occurred()) {
-        return NULL;
-    }
-    PyObject *out = PyList_New(upto - start);
-    if (out == NULL) {
-        return NULL;
-    }
     for (Py_ssize_t k = start; k < upto; k++) {
         /* tokens[k*bs:(k+1)*bs], clipped as a slice is */
         Py_ssize_t n = PyList_GET_SIZE(tokens);
@@ -86,46 +64,146 @@ links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_hash_t h = PyObject_Hash(item);
             Py_DECREF(item);
             if (h == -1 && PyErr_Occurred()) {
-                Py_DECREF(out);
-                return NULL;
+                return -1;
             }
             acc = acc_lane(acc, (Py_uhash_t)h);
             if (PyList_GET_SIZE(tokens) != n) {
-                Py_DECREF(out);
                 PyErr_SetString(PyExc_RuntimeError, "links: the token list changed");
-                return NULL;
+                return -1;
             }
         }
         Py_hash_t inner = acc_finish(acc, hi - lo);
         /* hash((parent, inner tuple)): the parent's lane is hash(parent) */
         PyObject *p = PyLong_FromSsize_t(parent);
         if (p == NULL) {
-            Py_DECREF(out);
-            return NULL;
+            return -1;
         }
         Py_hash_t ph = PyObject_Hash(p);
         Py_DECREF(p);
         if (ph == -1 && PyErr_Occurred()) {
-            Py_DECREF(out);
-            return NULL;
+            return -1;
         }
         acc = acc_lane(XXPRIME_5, (Py_uhash_t)ph);
         acc = acc_lane(acc, (Py_uhash_t)inner);
         parent = acc_finish(acc, 2);
         PyObject *v = PyLong_FromSsize_t(parent);
         if (v == NULL) {
-            Py_DECREF(out);
-            return NULL;
+            return -1;
         }
-        PyList_SET_ITEM(out, k - start, v);
+        int r = PyList_Append(out, v);
+        Py_DECREF(v);
+        if (r < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int
+check_range(Py_ssize_t bs, Py_ssize_t start, Py_ssize_t upto)
+{
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (bs <= 0 || start < 0 || upto < start) {
+        PyErr_SetString(PyExc_ValueError, "links: bs > 0 and 0 <= start <= upto");
+        return -1;
+    }
+    return 0;
+}
+
+/* links(tokens, bs, start, upto, parent) -> [link of block k for k in
+ * range(start, upto)], each ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))``
+ * starting from ``parent`` */
+static PyObject *
+links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "links(tokens: list, bs, start, upto, parent)");
+        return NULL;
+    }
+    Py_ssize_t bs = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t upto = PyLong_AsSsize_t(args[3]);
+    if (check_range(bs, start, upto) < 0) {
+        return NULL;
+    }
+    Py_hash_t parent = PyObject_Hash(args[4]);
+    if (parent == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    if (append_links(out, args[0], bs, start, upto, parent) < 0) {
+        Py_DECREF(out);
+        return NULL;
     }
     return out;
+}
+
+/* extend_text(tok, mm, emb, tokens, bs, upto): a text-only request's
+ * identity chain (RequestIdentity.extend without multimodal input or prompt
+ * embeddings) in one call: ``tok`` gets the links of blocks [len(tok),
+ * upto), from its last link (0 when empty), and ``mm`` / ``emb`` are padded
+ * with b"" to the same length */
+static PyObject *
+extend_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 6 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+        || !PyList_CheckExact(args[2]) || !PyList_Check(args[3])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "extend_text(tok: list, mm: list, emb: list, tokens: list, bs, upto)");
+        return NULL;
+    }
+    PyObject *tok = args[0];
+    Py_ssize_t start = PyList_GET_SIZE(tok);
+    Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t upto = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) {
+        return NULL;
+    }
+    if (upto <= start) {
+        Py_RETURN_NONE;
+    }
+    if (check_range(bs, start, upto) < 0) {
+        return NULL;
+    }
+    Py_hash_t parent = 0;
+    if (start) {
+        parent = PyObject_Hash(PyList_GET_ITEM(tok, start - 1));
+        if (parent == -1 && PyErr_Occurred()) {
+            return NULL;
+        }
+    }
+    if (append_links(tok, args[3], bs, start, upto, parent) < 0) {
+        return NULL;
+    }
+    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    if (empty == NULL) {
+        return NULL;
+    }
+    for (int c = 1; c <= 2; c++) {
+        PyObject *chain = args[c];
+        while (PyList_GET_SIZE(chain) < upto) {
+            if (PyList_Append(chain, empty) < 0) {
+                Py_DECREF(empty);
+                return NULL;
+            }
+        }
+    }
+    Py_DECREF(empty);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"links", (PyCFunction)(void (*)(void))links, METH_FASTCALL,
      "links(tokens, bs, start, upto, parent) -> the token chain's links of blocks "
      "[start, upto), as hash((parent, tuple(block tokens))) would give them"},
+    {"extend_text", (PyCFunction)(void (*)(void))extend_text, METH_FASTCALL,
+     "extend_text(tok, mm, emb, tokens, bs, upto): a text-only identity chain extended "
+     "to upto blocks (links appended, mm / emb padded with b'')"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -54,14 +54,18 @@ def text(value) -> bytes:
 #: ``kvsan._tokenlinks.links`` (the token chain in C, same values) when in
 #: use, else None
 _links = None
+#: ``kvsan._tokenlinks.extend_text`` (a text-only chain extended in one
+#: call) when in use, else None
+_extend_text = None
 
 
 def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
-    global _links
-    mod = native.load("_tokenlinks", 1) if on else None
+    global _links, _extend_text
+    mod = native.load("_tokenlinks", 2) if on else None
     _links = mod.links if mod is not None else None
+    _extend_text = mod.extend_text if mod is not None else None
     return _links is not None
 
 
@@ -102,6 +106,9 @@ class RequestIdentity:
         tok = self.tok
         start = len(tok)
         if start >= upto:
+            return
+        if mm is None and emb is None and _extend_text is not None and type(tokens) is list:
+            _extend_text(tok, self.mm, self.emb, tokens, bs, upto)  # the same, in one C call
             return
         parent = tok[-1] if tok else 0
         links = _links
