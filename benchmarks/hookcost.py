@@ -1,13 +1,15 @@
 """Where kvsan's scheduler-side time goes: each hook's own cost, timed inside
-the lockstep scheduler run (``benchmarks.sched``), per call and per step.
+the scheduler benchmark's default lane (``benchmarks.sched``), per call and
+per step.
 
 A sampling profiler at the rate this needs falls seconds behind on a 2-core
 machine, and a micro-benchmark of one hook in a tight loop runs 3-5x faster
 than the same code between the engine's own work (cold caches).  So this
 wraps kvsan's guarded checks (``_guard``, labelled by hook) and the owner /
-call-site lookup (``_context``) with a timer, in the default lane only, and
-reports them next to the step time of both lanes.  The timer adds about a
-microsecond per call; the per-call figures include it.
+call-site lookup (``_context``) with a timer in the default lane's own
+process, before kvsan is installed there, and steps it side by side with an
+off lane (:mod:`benchmarks.lanes`).  The timer adds about a microsecond per
+call; the per-call figures and the default lane's step time include it.
 
     .venv/bin/python -m benchmarks.hookcost [requests] [steps]
 """
@@ -21,18 +23,18 @@ from collections import defaultdict
 from .common import table
 
 
-def bench(n: int = 256, steps: int = 120) -> dict:
+def _timed_hooks() -> dict[str, list[int]]:
+    """Wrap the adapters' guard and context lookup with timers (in this
+    process); returns the label -> [calls, ns] they fill."""
     from kvsan.hooks import vllm_allocator, vllm_identity
 
-    from . import sched
-
     acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-    saved = (vllm_allocator._guard, vllm_identity._guard, vllm_allocator._context)
+    guard0, context0 = vllm_allocator._guard, vllm_allocator._context
 
     def guard(rt, where, fn, *args):
         t0 = time.perf_counter_ns()
         try:
-            return saved[0](rt, where, fn, *args)
+            return guard0(rt, where, fn, *args)
         finally:
             a = acc[where]
             a[0] += 1
@@ -43,7 +45,7 @@ def bench(n: int = 256, steps: int = 120) -> dict:
         try:
             # the original looks two frames up: through this timer it lands
             # on the hook's frame, which it skips like the trampoline's
-            return saved[2](rt)
+            return context0(rt)
         finally:
             a = acc["owner and call-site lookup"]
             a[0] += 1
@@ -51,14 +53,36 @@ def bench(n: int = 256, steps: int = 120) -> dict:
 
     vllm_allocator._guard = vllm_identity._guard = guard
     vllm_allocator._context = context
-    try:
-        lanes = sched.run_lockstep(n, steps, settings=("off", "default"))
-    finally:
-        vllm_allocator._guard, vllm_identity._guard, vllm_allocator._context = saved
-    off, on = (sum(lanes[s].times) / steps / 1e3 for s in ("off", "default"))
+    return acc
+
+
+def serve_lane(n: int, steps: int, seed: int, num_blocks: int) -> None:
+    """The default lane with its hooks timed (a lane process)."""
+    from . import sched
+
+    acc = _timed_hooks()
+    sched.serve_lane("default", n, steps, seed, num_blocks,
+                     extra=lambda: {"hooks": {k: v for k, v in acc.items()}})
+
+
+def bench(n: int = 256, steps: int = 120, seed: int = 0) -> dict:
+    from . import lanes
+
+    num_blocks = 3 * n + 16
+    args = f"{n}, {steps}, {seed}, {num_blocks}"
+    got = lanes.run({
+        "off": (f"from benchmarks.sched import serve_lane; serve_lane('off', {args})", {}),
+        "default": (f"from benchmarks.hookcost import serve_lane; serve_lane({args})", {}),
+    })
+    off, on = ([x["ns"] for x in got[s]["steps"]] for s in ("off", "default"))
+    summary = got["default"]["summary"]
+    if summary["violations"] or got["off"]["summary"]["fingerprint"] != summary["fingerprint"]:
+        raise AssertionError(f"the timed lane reported violations or scheduled differently: "
+                             f"{summary['violations']}")
     rows = {k: {"calls_per_step": c / steps, "us_per_call": t / c / 1e3,
-                "us_per_step": t / steps / 1e3} for k, (c, t) in acc.items() if c}
-    return {"requests": n, "steps": steps, "off_us": off, "default_us": on, "hooks": rows}
+                "us_per_step": t / steps / 1e3} for k, (c, t) in summary["hooks"].items() if c}
+    return {"requests": n, "steps": steps, "off_us": sum(off) / steps / 1e3,
+            "default_us": sum(on) / steps / 1e3, "hooks": rows}
 
 
 def markdown(res: dict) -> str:
@@ -69,8 +93,9 @@ def markdown(res: dict) -> str:
     body.append(["**timed in all**", "", "", f"**{timed:.0f}**"])
     head = (f"{res['requests']} requests, {res['steps']} steps: off {res['off_us']:.0f} µs/step, "
             f"default {res['default_us']:.0f} µs/step (+{res['default_us'] - res['off_us']:.0f}, "
-            f"timer included); the rest of the gap is the trampolines, argument handling "
-            f"outside the checks, and vLLM's own code running slower next to kvsan's.\n")
+            f"timers included, lanes side by side); the rest of the gap is the trampolines, "
+            f"argument handling outside the checks, and vLLM's own code running slower "
+            f"next to kvsan's.\n")
     return head + "\n" + table(["hook (guard label)", "calls/step", "µs/call", "µs/step"], body)
 
 

@@ -14,9 +14,9 @@ each in its own process with kvsan installed for its whole life or not at
 all, advance one step each in turn, in a new random order every turn.  A
 shared 2-core machine drifts by tens of percent over seconds; step-level
 interleaving puts every setting under the same drift.  (Switching kvsan's patches in one
-process between steps, as :func:`run_lockstep` still does for
-``benchmarks.hookcost``, costs each switched step about 5% by itself: CPython
-drops its caches for a class that was just modified.)  Measured: the thread
+process between steps, as an earlier lockstep runner did, costs each
+switched step about 5% by itself: CPython drops its caches for a class that
+was just modified.)  Measured: the thread
 CPU time of
 ``finish_requests`` (cancellations) + ``schedule()`` + ``update_from_output()``;
 the synthetic driver is not timed.  The runs must schedule identically
@@ -195,43 +195,11 @@ class Lane:
         return (self.finished, self.aborted, self.preempted, self.tokens)
 
 
-def run_lockstep(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
-                 settings=SETTINGS) -> dict[str, Lane]:
-    num_blocks = num_blocks or 3 * n + 16
-    lanes = {s: Lane(s, n, seed, num_blocks) for s in settings}
-    order = list(lanes.values())
-    # as vLLM's EngineCore does after start-up (vllm/utils/gc_utils.py)
-    gc.collect()
-    gc.freeze()
-    try:
-        for i in range(steps):
-            k = i % len(order)
-            for lane in order[k:] + order[:k]:
-                _activate(lane)
-                lane.step()
-    finally:
-        gc.unfreeze()
-        from kvsan import hooks
-        from kvsan import runtime as _rt
-        from kvsan.hooks import vllm_identity
-
-        vllm_identity.uninstall()
-        hooks.uninstrument()
-        hooks.use_native(True)
-        _rt.set_runtime(None)
-    prints = {s: lane.fingerprint for s, lane in lanes.items()}
-    if len(set(prints.values())) != 1:
-        raise AssertionError(f"kvsan changed the schedule: {prints}")
-    for s, lane in lanes.items():
-        if lane.rt is not None and lane.rt.violations():
-            raise AssertionError(f"{s}: violations on clean traffic: "
-                                 f"{[v.kind for v in lane.rt.violations()]}")
-    return lanes
-
-
-def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> None:
+def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int,
+               extra=None) -> None:
     """A lane process (:func:`benchmarks.lanes.serve`): one scheduler, kvsan
-    installed for ``setting`` once, ``steps`` timed steps on command."""
+    installed for ``setting`` once, ``steps`` timed steps on command.
+    ``extra``: a callable whose dict joins the lane's summary."""
     from . import lanes
 
     lane = Lane(setting, n, seed, num_blocks)
@@ -251,7 +219,8 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
                 "aborted": lane.aborted, "preempted": lane.preempted,
                 "evicted": ck.counters["evicted"] if ck is not None else None,
                 "violations": [v.kind for v in rt.violations()] if rt is not None else [],
-                "native": bool(rt.native) if rt is not None else None}
+                "native": bool(rt.native) if rt is not None else None,
+                **(extra() if extra is not None else {})}
 
     stepper.summary = summary
     lanes.serve(stepper)
