@@ -1436,7 +1436,8 @@ static PyMethodDef module_methods[] = {
 static PyTypeObject TableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvsan._shadowfast.Table",
-    .tp_doc = "The clean-event fast path over a kvsan ShadowTable's arrays.",
+    .tp_doc = "Table(shadow, mismatched, counters): the clean-event fast path over a kvsan "
+              "ShadowTable's arrays, with the event's bookkeeping.",
     .tp_basicsize = sizeof(Table),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = PyType_GenericNew,
