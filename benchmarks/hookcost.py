@@ -78,7 +78,8 @@ def bench(n: int = 256, steps: int = 120, seed: int = 0) -> dict:
     summary = got["default"]["summary"]
     if summary["violations"] or got["off"]["summary"]["fingerprint"] != summary["fingerprint"]:
         raise AssertionError(f"the timed lane reported violations or scheduled differently: "
-                             f"{summary['violations']}")
+                             f"{summary['violations']}, fingerprints off "
+                             f"{got['off']['summary']['fingerprint']} timed {summary['fingerprint']}")
     rows = {k: {"calls_per_step": c / steps, "us_per_call": t / c / 1e3,
                 "us_per_step": t / steps / 1e3} for k, (c, t) in summary["hooks"].items() if c}
     return {"requests": n, "steps": steps, "off_us": sum(off) / steps / 1e3,

@@ -236,3 +236,12 @@ def test_native_token_links_equal_the_python_chain():
         extend_text((), [], [], [], 16, 1)
     with pytest.raises(ValueError, match="bs > 0"):
         extend_text([], [], [], [1, 2], 0, 1)
+
+    class Unhashable:  # a token whose hash fails: all or nothing
+        def __hash__(self):
+            raise ArithmeticError("no hash")
+
+    tok, mm, emb = [5], [b""], [b""]
+    with pytest.raises(ArithmeticError):
+        extend_text(tok, mm, emb, list(range(32)) + [Unhashable()], 16, 3)
+    assert (tok, mm, emb) == ([5], [b""], [b""])

@@ -48,7 +48,7 @@ def _table_state(ck) -> dict:
         "acq": [(sh.acq_owner[b], sh.acq_step[b], sh.sites[sh.acq_site[b]]) for b in range(n)],
         "rel": [(sh.rel_owner[b], sh.rel_step[b], sh.sites[sh.rel_site[b]]) for b in range(n)],
         "held": dict(sh.held),
-        "since": sorted(sh.since),
+        "since": {o: step for o, (_t, step) in sh.since.items()},
         "ended": dict(sh.ended),
         "nonrequest": sorted(sh.nonrequest),
         "n_owned": sh.n_owned,
@@ -75,6 +75,7 @@ def _drive(rt, seed: int, faults: bool) -> dict:
     ck = rt.checkers[pool]
     prefixes = [[rng.randrange(1, 400) for _ in range(16 * rng.randint(1, 3))] for _ in range(3)]
     live, trace, journal = {}, [], []
+    holder = None  # (owner, blocks still held): an owner releasing part of what it holds
     for i in range(160):
         op = rng.random()
         try:
@@ -102,6 +103,23 @@ def _drive(rt, seed: int, faults: bool) -> dict:
                 r.status = RequestStatus.FINISHED_STOPPED
                 m.free(r)
                 ck.on_request_released(r.request_id, "finished", "t")
+            elif op < 0.88:
+                if holder is None:  # takes a live request's blocks in two calls
+                    r = live[rng.choice(sorted(live))]
+                    blocks = [b for b in m.coordinator.single_type_managers[0]
+                              .req_to_blocks[r.request_id] if not b.is_null]
+                    holder = (f"h{seed}-{i}", blocks)
+                    rt.owner_ctx.append((holder[0], "alloc"))
+                    pool.touch(blocks[: len(blocks) // 2])
+                    pool.touch(blocks[len(blocks) // 2:])
+                    rt.owner_ctx.pop()
+                else:  # and drops them a part at a time, the last part last
+                    owner, blocks = holder
+                    part, rest = blocks[: max(1, len(blocks) // 2)], blocks[max(1, len(blocks) // 2):]
+                    rt.owner_ctx.append((owner, "free"))
+                    pool.free_blocks(part)
+                    rt.owner_ctx.pop()
+                    holder = (owner, rest) if rest else None
             elif op < 0.9 or not faults:
                 m.evict_blocks({rng.randrange(1, 32)})
             else:
@@ -122,6 +140,11 @@ def _drive(rt, seed: int, faults: bool) -> dict:
                 trace.append((i, "fault", kind, blk.block_id))
         except Exception as e:  # noqa: BLE001 - vLLM's own asserts after a fault
             trace.append((i, "engine raised", type(e).__name__))
+        journal.append(rt.journal.take())
+    if holder is not None:
+        rt.owner_ctx.append((holder[0], "free"))
+        pool.free_blocks(holder[1])
+        rt.owner_ctx.pop()
         journal.append(rt.journal.take())
     refs = [b.ref_cnt for b in pool.blocks]
     linked = [b.prev_free_block is not None for b in pool.blocks]
@@ -214,3 +237,29 @@ def test_native_pool_view_matches_python(rt, native_switch):
     m.block_pool.blocks[5].ref_cnt = 0
     m.free(a)
     m.free(b)
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+def test_fast_table_does_not_keep_its_runtime_alive():
+    """The C table holds the shadow, whose clock is the runtime's step
+    method: runtime -> checker -> table -> shadow -> runtime is a cycle the
+    garbage collector must see through, or a discarded runtime (and its
+    tables) would stay for the life of the process."""
+    import gc
+    import weakref
+
+    from kvsan import hooks
+    from kvsan.checks import AllocatorChecker
+
+    class Owner:  # the runtime's part in the cycle
+        def step(self) -> int:
+            return 0
+
+    owner = Owner()
+    ck = AllocatorChecker(16, emit=lambda v: None, step=owner.step)
+    ck.fast = hooks.SHADOWFAST.Table(ck.shadow, ck._mismatched, ck.counters)
+    owner.checker = ck
+    gone = weakref.ref(owner)
+    del owner, ck
+    gc.collect()
+    assert gone() is None

@@ -14,8 +14,8 @@
  * check fails it returns None and the caller runs the Python checker, which
  * finds and reports the fault exactly as without this module.  Only a clean
  * event is applied here, with the same updates in the same order as the
- * Python code (tests/test_shadowfast.py drives both on the same sequences
- * and compares the whole table).  The event's bookkeeping is done here too:
+ * Python code (tests/test_native.py drives both on the same sequences and
+ * compares the whole table).  The event's bookkeeping is done here too:
  * the checker's counters, the shadow's owned / cached-free totals and each
  * owner's held count (an owner's first and last reference go through the
  * shadow's own ``_hold`` / ``_unhold``, which keep the "since" times), and
@@ -122,20 +122,48 @@ get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t n, Py_ssize_t itemsize, const
     return 0;
 }
 
+/* A Table holds its ShadowTable, whose clock is the runtime's step method:
+ * the runtime -> checker -> Table -> shadow -> runtime cycle must be one
+ * the garbage collector can see and break. */
+static int
+Table_traverse(Table *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->own0);
+    Py_VISIT(self->more);
+    Py_VISIT(self->hashes);
+    Py_VISIT(self->acq_owner);
+    Py_VISIT(self->rel_owner);
+    Py_VISIT(self->null);
+    Py_VISIT(self->mism);
+    Py_VISIT(self->sh);
+    Py_VISIT(self->counters);
+    Py_VISIT(self->held);
+    Py_VISIT(self->site_ids);
+    return 0;
+}
+
+static int
+Table_clear(Table *self)
+{
+    Py_CLEAR(self->own0);
+    Py_CLEAR(self->more);
+    Py_CLEAR(self->hashes);
+    Py_CLEAR(self->acq_owner);
+    Py_CLEAR(self->rel_owner);
+    Py_CLEAR(self->null);
+    Py_CLEAR(self->mism);
+    Py_CLEAR(self->sh);
+    Py_CLEAR(self->counters);
+    Py_CLEAR(self->held);
+    Py_CLEAR(self->site_ids);
+    return 0;
+}
+
 static void
 Table_dealloc(Table *self)
 {
-    Py_XDECREF(self->own0);
-    Py_XDECREF(self->more);
-    Py_XDECREF(self->hashes);
-    Py_XDECREF(self->acq_owner);
-    Py_XDECREF(self->rel_owner);
-    Py_XDECREF(self->null);
-    Py_XDECREF(self->mism);
-    Py_XDECREF(self->sh);
-    Py_XDECREF(self->counters);
-    Py_XDECREF(self->held);
-    Py_XDECREF(self->site_ids);
+    PyObject_GC_UnTrack(self);
+    Table_clear(self);
     Py_buffer *bufs[] = {&self->nown, &self->cached, &self->acq_step,
                          &self->acq_site, &self->rel_step, &self->rel_site};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
@@ -346,7 +374,10 @@ special(Table *t, Py_ssize_t b)
 static int
 table_ok(Table *t)
 {
-    if (t->own0 == NULL || PyList_GET_SIZE(t->own0) != t->n
+    if (t->own0 == NULL || t->hashes == NULL || t->acq_owner == NULL || t->rel_owner == NULL
+        || t->more == NULL || t->null == NULL || t->mism == NULL || t->sh == NULL
+        || t->counters == NULL || t->held == NULL || t->site_ids == NULL
+        || PyList_GET_SIZE(t->own0) != t->n
         || PyList_GET_SIZE(t->hashes) != t->n || PyList_GET_SIZE(t->acq_owner) != t->n
         || PyList_GET_SIZE(t->rel_owner) != t->n || t->seen == NULL) {
         PyErr_SetString(PyExc_RuntimeError,
@@ -506,21 +537,25 @@ unhold(Table *t, PyObject *owner, Py_ssize_t k)
     return dict_add(t->held, owner, -k);
 }
 
-/* shadow.site_id(site): an int is taken as already interned, a known site
- * is a dict lookup, a new one goes through Python (-1 with an exception) */
+/* shadow.site_id(site): a known site is a dict lookup, anything else goes
+ * through Python (a new site is interned there); -1 with an exception */
 static int
 site_id(Table *t, PyObject *site)
 {
-    if (PyLong_Check(site)) {
-        return (int)PyLong_AsLong(site);
-    }
     PyObject *sid = PyUnicode_CheckExact(site) ? PyDict_GetItemWithError(t->site_ids, site)
                                                : NULL;
     if (sid == NULL && PyErr_Occurred()) {
         return -1;
     }
     if (sid != NULL) {
-        return (int)PyLong_AsLong(sid);
+        long v = PyLong_AsLong(sid);
+        if (v >= 0 && v <= INT_MAX) {
+            return (int)v;
+        }
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "kvsan._shadowfast: site id out of range");
+        }
+        return -1;
     }
     PyObject *got = PyObject_CallMethodObjArgs(t->sh, keys[K_SITE_ID], site, NULL);
     if (got == NULL) {
@@ -528,6 +563,12 @@ site_id(Table *t, PyObject *site)
     }
     long v = PyLong_AsLong(got);
     Py_DECREF(got);
+    if (v < 0 || v > INT_MAX) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_ValueError, "kvsan._shadowfast: site id out of range");
+        }
+        return -1;
+    }
     return (int)v;
 }
 
@@ -1117,6 +1158,8 @@ Table_cache(Table *t, PyObject *arg)
             goto error;
         }
     }
+    /* the keys are set: a failure here (memory) leaves them set, the total
+     * not updated, and the event reported as kvsan's own error */
     if (unowned && attr_add(t->sh, keys[K_N_CACHED_FREE], unowned) < 0) {
         goto error;
     }
@@ -1128,15 +1171,16 @@ error:
 
 static PyMethodDef Table_methods[] = {
     {"allocate", (PyCFunction)Table_allocate, METH_VARARGS,
-     "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean); "
-     "site: a call site (interned here) or its id"},
+     "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean; "
+     "site: a call site, interned here)"},
     {"share", (PyCFunction)Table_share, METH_VARARGS,
-     "share(blocks, owner, step, site) -> (taken, newly owned, of them cached), or None"},
+     "share(blocks, owner, step, site) -> (taken, newly owned, of them cached), or None"
+     " (site: a call site, interned here)"},
     {"snapshot", (PyCFunction)Table_snapshot, METH_VARARGS,
      "snapshot(blocks, pool) -> [ref << 1 | linked or None per block], or None"},
     {"release", (PyCFunction)Table_release, METH_VARARGS,
      "release(blocks, snap, owner, step, site) -> (dropped, freed ids, unowned, of them "
-     "cached), or None"},
+     "cached), or None (site: a call site, interned here)"},
     {"cache", (PyCFunction)Table_cache, METH_O,
      "cache(blocks) -> (block ids given a key, of them unowned), or None"},
     {NULL, NULL, 0, NULL},
@@ -1439,7 +1483,9 @@ static PyTypeObject TableType = {
     .tp_doc = "Table(shadow, mismatched, counters): the clean-event fast path over a kvsan "
               "ShadowTable's arrays, with the event's bookkeeping.",
     .tp_basicsize = sizeof(Table),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_traverse = (traverseproc)Table_traverse,
+    .tp_clear = (inquiry)Table_clear,
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Table_init,
     .tp_dealloc = (destructor)Table_dealloc,

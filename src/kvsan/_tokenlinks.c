@@ -177,24 +177,40 @@ extend_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         }
     }
+    Py_ssize_t mm0 = PyList_GET_SIZE(args[1]), emb0 = PyList_GET_SIZE(args[2]);
+    PyObject *empty = NULL;
     if (append_links(tok, args[3], bs, start, upto, parent) < 0) {
-        return NULL;
+        goto error;
     }
-    PyObject *empty = PyBytes_FromStringAndSize(NULL, 0);
+    empty = PyBytes_FromStringAndSize(NULL, 0);
     if (empty == NULL) {
-        return NULL;
+        goto error;
     }
     for (int c = 1; c <= 2; c++) {
         PyObject *chain = args[c];
         while (PyList_GET_SIZE(chain) < upto) {
             if (PyList_Append(chain, empty) < 0) {
-                Py_DECREF(empty);
-                return NULL;
+                goto error;
             }
         }
     }
     Py_DECREF(empty);
     Py_RETURN_NONE;
+error: /* all or nothing: the three chains cut back to where they were */
+    Py_XDECREF(empty);
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        Py_ssize_t sizes[3] = {start, mm0, emb0};
+        for (int c = 0; c < 3; c++) {
+            if (PyList_GET_SIZE(args[c]) > sizes[c]
+                && PyList_SetSlice(args[c], sizes[c], PyList_GET_SIZE(args[c]), NULL) < 0) {
+                PyErr_Clear();
+            }
+        }
+        PyErr_Restore(type, value, tb);
+    }
+    return NULL;
 }
 
 static PyMethodDef methods[] = {

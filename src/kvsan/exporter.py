@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import os
 import re
+import sys
 
 ENGINE_OFFSET = 1
 WORKER_OFFSET = 100
@@ -122,10 +123,18 @@ def settle(d: str, timeout: float = SETTLE_S) -> list[int]:
     gone = sweep_dead(d)
     deadline = time.monotonic() + timeout
     me = f"_{os.getpid()}.db"
-    while time.monotonic() < deadline and any(
-            not p.endswith(me) for p in glob.glob(os.path.join(d, "gauge_live*_*.db"))):
+
+    def others():
+        return [p for p in glob.glob(os.path.join(d, "gauge_live*_*.db")) if not p.endswith(me)]
+
+    while time.monotonic() < deadline and others():
         time.sleep(0.05)
         gone += sweep_dead(d)
+    left = others()
+    if left:  # the operator's clue to a gauge that keeps counting a dead process
+        pids = sorted({os.path.basename(p).rsplit("_", 1)[1][:-3] for p in left})
+        sys.stderr.write(f"kvsan: live-gauge files of processes still running after "
+                         f"{timeout:.1f} s left in {d}: pids {' '.join(pids)}\n")
     return gone
 
 
