@@ -492,10 +492,12 @@ call_shadow(Table *t, int name, PyObject *owner, Py_ssize_t k)
     return r == NULL ? -1 : 0;
 }
 
-/* shadow._hold(owner, k): an owner that held nothing goes through Python
- * (which records since when); else its count is updated in place */
+/* the owner's held count after it took (``sign`` +1) or dropped (-1) ``k``
+ * references: in place, except an owner's first references and its last
+ * (or an unknown owner, which raises there as it would), which go through
+ * the shadow's ``_hold`` / ``_unhold`` (they keep since when it holds) */
 static int
-hold(Table *t, PyObject *owner, Py_ssize_t k)
+held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign)
 {
     if (!k) {
         return 0;
@@ -508,33 +510,10 @@ hold(Table *t, PyObject *owner, Py_ssize_t k)
     if (n == -1 && PyErr_Occurred()) {
         return -1;
     }
-    if (n <= 0) {
-        return call_shadow(t, K_HOLD, owner, k);
+    if (sign > 0 ? n <= 0 : n <= k) {
+        return call_shadow(t, sign > 0 ? K_HOLD : K_UNHOLD, owner, k);
     }
-    return dict_add(t->held, owner, k);
-}
-
-/* shadow._unhold(owner, k): the owner's last references (or an unknown
- * owner, which raises there as it would) go through Python; else its count
- * is updated in place */
-static int
-unhold(Table *t, PyObject *owner, Py_ssize_t k)
-{
-    if (!k) {
-        return 0;
-    }
-    PyObject *had = PyDict_GetItemWithError(t->held, owner);
-    if (had == NULL && PyErr_Occurred()) {
-        return -1;
-    }
-    Py_ssize_t n = had != NULL && PyLong_CheckExact(had) ? PyLong_AsSsize_t(had) : 0;
-    if (n == -1 && PyErr_Occurred()) {
-        return -1;
-    }
-    if (n <= k) {
-        return call_shadow(t, K_UNHOLD, owner, k);
-    }
-    return dict_add(t->held, owner, -k);
+    return dict_add(t->held, owner, sign > 0 ? k : -k);
 }
 
 /* shadow.site_id(site): a known site is a dict lookup, anything else goes
@@ -586,7 +565,7 @@ bookkeep(Table *t, int counter, Py_ssize_t k, Py_ssize_t evicted, PyObject *owne
         || (d_cached_free && attr_add(t->sh, keys[K_N_CACHED_FREE], d_cached_free) < 0)) {
         return -1;
     }
-    return sign > 0 ? hold(t, owner, k) : unhold(t, owner, k);
+    return held_add(t, owner, k, sign);
 }
 
 /* the arguments every event method takes: (blocks, owner, step, site), and a

@@ -105,7 +105,8 @@ class ShadowTable:
         self._hold(owner, 1)
 
     def _hold(self, owner: str, n: int) -> None:
-        """``owner`` holds ``n`` more references (since when, if it held none)."""
+        """``owner`` holds ``n`` more references (since when, if it held none).
+        ``kvsan._shadowfast`` calls it by name for an owner's first reference."""
         had = self.held.get(owner, 0)
         if not had:
             self.since[owner] = (_monotonic(), self.clock())
@@ -113,7 +114,8 @@ class ShadowTable:
 
     def _unhold(self, owner: str, n: int) -> None:
         """``owner`` holds ``n`` references fewer; one that holds nothing is
-        forgotten."""
+        forgotten.  ``kvsan._shadowfast`` calls it by name for an owner's
+        last references."""
         left = self.held[owner] - n
         if left:
             self.held[owner] = left
