@@ -545,6 +545,26 @@ def test_front_end_exit_waits_for_dying_processes_gauge_files(tmp_path):
         child.wait()
 
 
+def test_front_end_exit_names_the_processes_it_gave_up_on(tmp_path, capsys):
+    """A process still running when the bounded wait ends keeps its file,
+    and the front end says which (the operator's clue to a gauge that
+    keeps counting it)."""
+    import subprocess
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        path = tmp_path / f"gauge_livesum_{child.pid}.db"
+        path.write_bytes(b"")
+        assert exporter.settle(str(tmp_path), timeout=0.2) == []
+        assert path.exists()
+        err = capsys.readouterr().err
+        assert "still running after 0.2 s" in err and f"pids {child.pid}" in err, err
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_exporter_ports_and_bad_values():
     from kvsan import exporter
     from kvsan.config import ConfigError
