@@ -100,3 +100,17 @@ def test_abort_mode_flushes_report_then_exits(model, tmp_path):
     assert proc.returncode == ABORT_EXIT_CODE, proc.stderr[-2000:]
     found = violations(str(tmp_path))
     assert len(found) == 1  # the first violation, flushed before the exit
+
+
+def test_traffic_line_read_from_interleaved_output():
+    """The demo child's stats line shares its pipe with the EngineCore's
+    output: another process's text on either side of it must not lose it
+    (seen in CI when an injected fault killed the engine)."""
+    from kvsan.demo import _traffic_stats
+
+    got = _traffic_stats(
+        'INFO boot\n(EngineCore pid=7) INFO xKVSAN_TRAFFIC {"engine_error": "EngineDeadError: '
+        'x"}(EngineCore pid=7) INFO [shutdown] waiting\nKVSAN_TRAFFIC not json\n')
+    assert got == {"engine_error": "EngineDeadError: x"}
+    assert _traffic_stats('KVSAN_TRAFFIC {"finished": 3}\n') == {"finished": 3}
+    assert _traffic_stats("no line\n") == {}

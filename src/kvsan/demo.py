@@ -7,13 +7,13 @@ the fault must be injected into the EngineCore it boots)."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 import tempfile
 
 from .cli import summarize
+from .enginedrive import read_marked, write_marked
 from .reportfile import read_records
 
 
@@ -29,13 +29,23 @@ def run_once(model: str, report_dir: str, seed: int, inject: str | None,
         [sys.executable, "-m", "kvsan.demo", model, str(seed)],
         env=env, capture_output=True, text=True, timeout=timeout,
     )
-    stats = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("KVSAN_TRAFFIC "):
-            stats = json.loads(line.split(" ", 1)[1])
+    stats = _traffic_stats(proc.stdout)
     if proc.returncode != 0 and not stats:
         stats = {"error": proc.stderr.strip().splitlines()[-1:] or ["?"]}
     return proc.returncode, stats
+
+
+TRAFFIC_MARK = "KVSAN_TRAFFIC "
+
+
+def _traffic_stats(stdout: str) -> dict:
+    """The child's traffic line.  The spawned EngineCore and workers write
+    to the same pipe, and one of their lines can land right before or
+    right after ours without a line break (seen when a faulty engine died)."""
+    stats = {}
+    for line in stdout.splitlines():
+        stats = read_marked(line, TRAFFIC_MARK) or stats
+    return stats
 
 
 def main(args) -> int:
@@ -82,7 +92,7 @@ def _child(model: str, seed: int) -> None:
         out["finished"] += traffic.run(llm, seed=seed + 1, groups=2).finished
     except Exception as e:  # noqa: BLE001 - a faulty engine may die; kvsan's report says why
         out = {"engine_error": f"{type(e).__name__}: {str(e)[:120]}"}
-    print("KVSAN_TRAFFIC " + json.dumps(out), flush=True)
+    write_marked(TRAFFIC_MARK, out)
 
 
 if __name__ == "__main__":

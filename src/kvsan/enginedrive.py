@@ -20,6 +20,29 @@ from dataclasses import dataclass
 MARK = "KVSAN_RESULT "
 
 
+def write_marked(mark: str, obj) -> None:
+    """A result line for the parent: ``mark`` and the JSON object in one
+    write (a pipe write under 4 KiB is atomic; print() writes the text and
+    the line end separately, and the engine's other processes and threads
+    write to the same pipe)."""
+    sys.stdout.write(mark + json.dumps(obj, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def read_marked(line: str, mark: str) -> dict | None:
+    """The JSON object after ``mark`` anywhere in ``line`` (another
+    process's text may sit before or after it without a line break), or
+    None."""
+    at = line.find(mark)
+    if at < 0:
+        return None
+    try:
+        got = json.JSONDecoder().raw_decode(line[at + len(mark):])[0]
+    except ValueError:
+        return None
+    return got if isinstance(got, dict) else None
+
+
 # ------------------------------------------------------------ engine set-up
 def engine_kwargs(model: str, num_blocks: int, caching: bool, batch_tokens: int = 64,
                   dtype: str | None = None, max_model_len: int = 512) -> dict:
@@ -81,8 +104,9 @@ def run_child(module: str, spec: dict, env: dict, log_path: str, timeout: float 
         proc.stdin.close()
         try:
             for line in proc.stdout:
-                if line.startswith(MARK):
-                    result = json.loads(line[len(MARK):])
+                got = read_marked(line, MARK)
+                if got is not None:
+                    result = got
                 elif on_line is not None:
                     on_line(line.rstrip("\n"))
             rc = proc.wait(timeout=timeout)
@@ -101,7 +125,7 @@ def run_child(module: str, spec: dict, env: dict, log_path: str, timeout: float 
 
 
 def emit(result: dict) -> None:
-    print(MARK + json.dumps(result, default=str), flush=True)
+    write_marked(MARK, result)
 
 
 def read_spec() -> dict:
