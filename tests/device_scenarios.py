@@ -1,7 +1,6 @@
 """Destructive device-side scenarios, one per process (see test_device.py):
 ``python device_scenarios.py NAME`` prints ``RESULT <json>``."""
 
-import json
 import math
 import os
 import sys
@@ -104,4 +103,6 @@ if __name__ == "__main__":
     result["violations"] = [
         {"kind": v.kind, "blocks": v.blocks, "owners": v.owners, "actor": v.actor,
          "site": v.site} for v in rt.violations()]
-    print("RESULT " + json.dumps(result), flush=True)
+    from kvsan.enginedrive import write_marked
+
+    write_marked("RESULT ", result)  # one write: vLLM's threads share stdout

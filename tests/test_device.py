@@ -265,16 +265,17 @@ def test_hit_before_write_is_uninitialized_hit(eng, rt):
 def _scenario(name):
     """Faults that corrupt the allocator's counts leave the engine unusable,
     so each runs in its own in-process engine, in a child process."""
-    import json
     import subprocess
     import sys
+
+    from kvsan.enginedrive import read_marked
 
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
                                                         "device_scenarios.py"), name],
                           capture_output=True, text=True, timeout=600)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert line, proc.stderr[-3000:]
-    return json.loads(line[-1][7:])
+    got = [r for r in map(lambda x: read_marked(x, "RESULT "), proc.stdout.splitlines()) if r]
+    assert got, proc.stderr[-3000:]
+    return got[-1]
 
 
 def test_early_free_then_reuse_seen_from_the_device():
