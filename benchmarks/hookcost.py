@@ -56,32 +56,25 @@ def _timed_hooks() -> dict[str, list[int]]:
     return acc
 
 
-def serve_lane(n: int, steps: int, seed: int, num_blocks: int) -> None:
-    """The default lane with its hooks timed (a lane process)."""
+def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> None:
+    """The ``setting`` lane with its hooks timed (a lane process)."""
     from . import sched
 
     acc = _timed_hooks()
-    sched.serve_lane("default", n, steps, seed, num_blocks,
+    sched.serve_lane(setting, n, steps, seed, num_blocks,
                      extra=lambda: {"hooks": {k: v for k, v in acc.items()}})
 
 
 def bench(n: int = 256, steps: int = 120, seed: int = 0) -> dict:
-    from . import lanes
+    from . import sched
 
-    num_blocks = 3 * n + 16
-    args = f"{n}, {steps}, {seed}, {num_blocks}"
-    got = lanes.run({
-        "off": (f"from benchmarks.sched import serve_lane; serve_lane('off', {args})", {}),
-        "default": (f"from benchmarks.hookcost import serve_lane; serve_lane({args})", {}),
-    })
-    off, on = ([x["ns"] for x in got[s]["steps"]] for s in ("off", "default"))
-    summary = got["default"]["summary"]
-    if summary["violations"] or got["off"]["summary"]["fingerprint"] != summary["fingerprint"]:
-        raise AssertionError(f"the timed lane reported violations or scheduled differently: "
-                             f"{summary['violations']}, fingerprints off "
-                             f"{got['off']['summary']['fingerprint']} timed {summary['fingerprint']}")
+    # checks that both lanes scheduled alike and reported nothing
+    got = sched.run_lanes(n, steps, seed, settings=("off", "default"),
+                          modules={"default": "benchmarks.hookcost"})
+    off, on = got["off"]["times"], got["default"]["times"]
     rows = {k: {"calls_per_step": c / steps, "us_per_call": t / c / 1e3,
-                "us_per_step": t / steps / 1e3} for k, (c, t) in summary["hooks"].items() if c}
+                "us_per_step": t / steps / 1e3} for k, (c, t) in got["default"]["hooks"].items()
+            if c}
     return {"requests": n, "steps": steps, "off_us": sum(off) / steps / 1e3,
             "default_us": sum(on) / steps / 1e3, "hooks": rows}
 

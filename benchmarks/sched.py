@@ -227,15 +227,19 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int,
 
 
 def run_lanes(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
-              settings=SETTINGS) -> dict[str, dict]:
+              settings=SETTINGS, modules: dict[str, str] | None = None) -> dict[str, dict]:
     """One process per setting, stepped in turn: setting -> {"times": [ns
-    per step], and the lane's summary}."""
+    per step], and the lane's summary}.  ``modules``: setting -> the module
+    whose ``serve_lane`` (same arguments as this one's) runs that lane
+    instead (``benchmarks.hookcost`` times its hooks)."""
     from . import lanes
 
     num_blocks = num_blocks or 3 * n + 16
-    code = "from benchmarks.sched import serve_lane; serve_lane({!r}, %d, %d, %d, %d)" % (
+    code = "from {} import serve_lane; serve_lane({!r}, %d, %d, %d, %d)" % (
         n, steps, seed, num_blocks)
-    got = lanes.run({s: (code.format(s), {}) for s in settings})
+    modules = modules or {}
+    got = lanes.run({s: (code.format(modules.get(s, "benchmarks.sched"), s), {})
+                     for s in settings})
     out = {s: dict(g["summary"], times=[x["ns"] for x in g["steps"]]) for s, g in got.items()}
     prints = {s: tuple(o["fingerprint"]) for s, o in out.items()}
     if len(set(prints.values())) != 1:
