@@ -4,7 +4,8 @@
 stack; ``kvsan._shadowfast`` applies clean allocator events to the shadow
 table; ``kvsan._tokenlinks`` computes the identity audit's token chain;
 ``kvsan._devicefast`` runs the worker's write guard and checksums over host
-memory.
+memory; ``kvsan._hookfast`` runs the hottest BlockPool hooks without a Python
+frame.
 All are optional: where they cannot be built (no compiler, another
 Python), kvsan runs its pure-Python paths, which give the same results.
 """
@@ -17,5 +18,6 @@ setup(
         Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], optional=True),
         Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], optional=True),
         Extension("kvsan._devicefast", ["src/kvsan/_devicefast.c"], optional=True),
+        Extension("kvsan._hookfast", ["src/kvsan/_hookfast.c"], optional=True),
     ],
 )

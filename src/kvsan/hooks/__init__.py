@@ -25,10 +25,14 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 import wrapt
+
+from .. import runtime as _runtime
+from ..report import KVSanViolation
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,12 @@ class Target:
     #: on the engine's hot path: the stack is read only when an allocator
     #: event happens, not on every call of the method.
     owner: tuple[str, str | None] | None = None
+    #: ``(kind, post)``: where ``kvsan._hookfast`` is in use, the method is
+    #: replaced by its native ``Hook`` of that kind (``"ALLOCATE"``,
+    #: ``"TOUCH"``, ``"RELEASE"``, ``"CACHE"``), which runs ``wrapper`` (via
+    #: a trampoline) for the calls it does not take and ``post`` (the
+    #: wrapper's second half) for the events its clean path declines
+    fast: tuple[str, Callable] | None = None
 
     @property
     def name(self) -> str:
@@ -76,6 +86,11 @@ def _all_subclasses(cls):
 def is_patched(fn) -> bool:
     """True for a method kvsan (or wrapt) has wrapped."""
     return isinstance(fn, wrapt.FunctionWrapper) or getattr(fn, "__kvsan_patched__", False)
+
+
+def native_hook(fn):
+    """``fn`` if it is a ``kvsan._hookfast.Hook``, else None."""
+    return fn if type(fn) is _HOOK_TYPE else None
 
 
 def _trampoline(original, wrapper):
@@ -111,14 +126,23 @@ def _hook_key(wrapper) -> tuple:
     return (getattr(wrapper, "__module__", None), getattr(wrapper, "__qualname__", repr(wrapper)))
 
 
-def _wrap(owner, attr: str, wrapper) -> None:
+def _wrap(owner, attr: str, wrapper, fast=None) -> None:
     """Patch ``owner.attr`` with ``wrapper`` (idempotent per hook; two
-    adapters may each wrap one method: the later patch is the outer one)."""
+    adapters may each wrap one method: the later patch is the outer one).
+    ``fast``: see :attr:`Target.fast`."""
     key = _hook_key(wrapper)
     if any(o is owner and a == attr and _hook_key(w) == key for o, a, _, w in _patched):
         return  # already applied (instrument() is idempotent)
     original = owner.__dict__[attr]
-    if type(original) is type(_trampoline):  # a plain function (or our trampoline)
+    if type(original) is type(_trampoline) and fast is not None and HOOKFAST is not None:
+        slow = _trampoline(original, wrapper)
+        hook = HOOKFAST.Hook(getattr(HOOKFAST, fast[0]), original, slow, fast[1],
+                             attr)
+        functools.update_wrapper(hook, original)
+        hook.__kvsan_patched__ = True
+        setattr(owner, attr, hook)
+    elif type(original) is type(_trampoline) or native_hook(original) is not None:
+        # a plain function, our trampoline or our native hook
         setattr(owner, attr, _trampoline(original, wrapper))
     else:
         wrapt.wrap_function_wrapper(owner, attr, wrapper)
@@ -142,7 +166,7 @@ def instrument(targets: list[Target]) -> tuple[list[str], list[str]]:
                           if attr in s.__dict__]
         for c in owners:
             if t.owner is None or not _register_owner(c.__dict__[attr], t.owner):
-                _wrap(c, attr, t.wrapper)
+                _wrap(c, attr, t.wrapper, t.fast)
         installed.append(t.name)
     return installed, missing
 
@@ -218,20 +242,30 @@ NATIVE = None
 #: the native clean-event path over the shadow table (``kvsan._shadowfast``)
 #: when in use, else None (checkers of pools made while it is set use it)
 SHADOWFAST = None
+#: the native hooks (``kvsan._hookfast``) when in use, else None (methods
+#: patched while it is set get them; see :attr:`Target.fast`)
+HOOKFAST = None
+#: ``kvsan._hookfast.Hook`` once the module was loaded (hooks made while it
+#: was in use stay installed when it is switched off)
+_HOOK_TYPE = None
 
 
 def use_native(on: bool = True) -> bool:
     """Use kvsan's C speed-ups (built with the package, CPython 3.11):
     ``kvsan._frames`` to read call contexts, ``kvsan._shadowfast`` for
-    clean allocator events, ``kvsan._tokenlinks`` for the identity
+    clean allocator events, ``kvsan._hookfast`` for the hottest BlockPool
+    hooks (methods patched from now on), ``kvsan._tokenlinks`` for the identity
     audit's token chain and ``kvsan._devicefast`` for the device checks
     on host memory.  ``on`` False (``KVSAN_NATIVE=0``), or where they are
     unavailable, the pure-Python (numpy / torch) paths run; both give the
     same results.  Returns whether all are in use."""
-    global NATIVE, SHADOWFAST
+    global NATIVE, SHADOWFAST, HOOKFAST, _HOOK_TYPE
     from ..checks import identity, native
 
     NATIVE = SHADOWFAST = None
+    if HOOKFAST is not None:  # hooks already installed send every call to Python
+        HOOKFAST.enable(False)
+        HOOKFAST = None
     checks = identity.use_native(on) & native.use_devicefast(on)  # both, always
     if not on:
         return False
@@ -240,7 +274,39 @@ def use_native(on: bool = True) -> bool:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", 2)
-    return NATIVE is not None and SHADOWFAST is not None and checks
+    hookfast = native.load("_hookfast", 1)
+    if hookfast is not None and NATIVE is not None and SHADOWFAST is not None:
+        hookfast.configure(vars(_runtime), NATIVE.context, pool_checker, guard_failed)
+        HOOKFAST, _HOOK_TYPE = hookfast, hookfast.Hook
+    return NATIVE is not None and SHADOWFAST is not None and HOOKFAST is not None and checks
+
+
+#: one-entry cache in front of ``rt.checkers`` (a WeakKeyDictionary, whose
+#: lookup is a Python-level call): [runtime, weak ref to pool, checker]
+_LAST: list = [None, None, None]
+
+
+def pool_checker(pool):
+    """(running kvsan runtime or None, the checker of ``pool`` or None)."""
+    rt = _runtime._runtime
+    if rt is None:
+        return None, None
+    last = _LAST
+    if last[0] is rt and last[1]() is pool:
+        return rt, last[2]
+    ck = rt.checkers.get(pool)
+    if ck is not None:
+        _LAST[:] = [rt, weakref.ref(pool), ck]
+    return rt, ck
+
+
+def guard_failed(rt, where: str, exc: BaseException) -> None:
+    """The except branch of a hook's guard: a violation (raise / abort
+    modes) propagates; kvsan's own failure is counted and logged, and raised
+    only outside ``log`` mode (:meth:`kvsan.report.Reporter.internal_error`)."""
+    if isinstance(exc, KVSanViolation):
+        raise exc
+    rt.reporter.internal_error(where, exc)
 
 
 def call_context(depth: int, owner_ctx: list) -> tuple[str, str | None] | None:

@@ -14,7 +14,6 @@ value, and in ``log`` mode never let a kvsan failure reach the engine.
 from __future__ import annotations
 
 import sys
-import weakref
 from array import array
 from time import monotonic as _monotonic
 from time import perf_counter as _perf_counter
@@ -71,22 +70,8 @@ def _guard(rt, where: str, fn, *args):
         rt.overhead_s += _perf_counter() - t0
 
 
-#: one-entry cache in front of ``rt.checkers`` (a WeakKeyDictionary, whose
-#: lookup is a Python-level call): [runtime, weak ref to pool, checker]
-_LAST: list = [None, None, None]
-
-
-def _checker(pool):
-    rt = _rt._runtime
-    if rt is None:
-        return None, None
-    last = _LAST
-    if last[0] is rt and last[1]() is pool:
-        return rt, last[2]
-    ck = rt.checkers.get(pool)
-    if ck is not None:
-        _LAST[:] = [rt, weakref.ref(pool), ck]
-    return rt, ck
+#: the checker of a pool: (runtime or None, checker or None)
+_checker = _hooks.pool_checker
 
 
 # ---------------------------------------------------------------- BlockPool
@@ -115,14 +100,19 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt, ck = _checker(instance)
     if ck is not None:
-        site, owner = _context(rt)
-        if owner is None:
-            owner = f"anon:{site}"
-            ck.shadow.nonrequest.add(owner)
-        evicted = _guard(rt, "get_new_blocks", _allocated, ck, ret, owner, site, rt.step)
-        if evicted:
-            rt.journal.uncached.extend(evicted)
+        _after_allocate(rt, ck, ret, *_context(rt))
     return ret
+
+
+def _after_allocate(rt, ck, blocks, site: str, owner: str | None) -> None:
+    """What follows ``get_new_blocks``, given its call context (also called by
+    the native hook, :mod:`kvsan._hookfast`, when its clean path does not apply)."""
+    if owner is None:
+        owner = f"anon:{site}"
+        ck.shadow.nonrequest.add(owner)
+    evicted = _guard(rt, "get_new_blocks", _allocated, ck, blocks, owner, site, rt.step)
+    if evicted:
+        rt.journal.uncached.extend(evicted)
 
 
 def _allocated(ck, blocks, owner: str, site: str, step: int):
@@ -154,12 +144,17 @@ def _touch(wrapped, instance, args, kwargs):
     if type(blocks) is not list:
         blocks = list(blocks)
     ret = wrapped(blocks, *args[1:], **{k: v for k, v in kwargs.items() if k != "blocks"})
-    site, owner = _context(rt)
+    _after_touch(rt, ck, blocks, *_context(rt))
+    return ret
+
+
+def _after_touch(rt, ck, blocks: list, site: str, owner: str | None) -> None:
+    """What follows ``touch``, given its call context (also the native hook's
+    fallback)."""
     if owner is None:
         owner = f"pin:{site}"
         ck.shadow.nonrequest.add(owner)
     _guard(rt, "touch", _shared, ck, blocks, owner, site, rt.step)
-    return ret
 
 
 def _release_obs(instance, blocks, pre):
@@ -214,6 +209,7 @@ def _make_release(arg_name: str):
         # the native snapshot: each block's count and free-queue link, or None
         # (a block of another pool or met twice: read below in Python)
         snap = _guard(rt, "snapshot", fast.snapshot, blocks, instance) if fast else None
+        pre = None
         if snap is None:
             pre = {}
             for b in blocks:
@@ -228,24 +224,33 @@ def _make_release(arg_name: str):
                 if freed:
                     rt.journal.freed.extend(freed)
                 return ret
-            pre = {b.block_id: (v >> 1, bool(v & 1)) for b, v in zip(blocks, snap)
-                   if v is not None}
-        freed = [b.block_id for b in blocks if b.ref_cnt == 0
-                 and b.block_hash is None and b.block_id in pre]
-        if freed:
-            rt.journal.freed.extend(freed)
-            cached = ck.shadow.cached
-            stale = [b for b in freed if cached[b]]
-            if stale:
-                # the engine dropped their cache entry while they were owned
-                # without going through a hooked call (Mamba "align" drops a
-                # transient checkpoint's hash directly): they leave as free
-                rt.journal.uncached.extend(stale)
-                _guard(rt, "uncached", ck.on_uncached, stale)
-        _guard(rt, arg_name, ck.on_release, _release_obs(instance, blocks, pre), owner, site)
+        _after_release(rt, ck, instance, blocks, snap, site, owner, pre, arg_name)
         return ret
 
     return _release
+
+
+def _after_release(rt, ck, pool, blocks: list, snap, site: str, owner: str | None,
+                   pre: dict | None = None, where: str = "ordered_blocks") -> None:
+    """What follows a release the clean path did not take: ``pre`` is each
+    block's (count, linked) before the call, else read from the native
+    ``snap`` (also the native hook's fallback)."""
+    if pre is None:
+        pre = {b.block_id: (v >> 1, bool(v & 1)) for b, v in zip(blocks, snap)
+               if v is not None}
+    freed = [b.block_id for b in blocks if b.ref_cnt == 0
+             and b.block_hash is None and b.block_id in pre]
+    if freed:
+        rt.journal.freed.extend(freed)
+        cached = ck.shadow.cached
+        stale = [b for b in freed if cached[b]]
+        if stale:
+            # the engine dropped their cache entry while they were owned
+            # without going through a hooked call (Mamba "align" drops a
+            # transient checkpoint's hash directly): they leave as free
+            rt.journal.uncached.extend(stale)
+            _guard(rt, "uncached", ck.on_uncached, stale)
+    _guard(rt, where, ck.on_release, _release_obs(pool, blocks, pre), owner, site)
 
 
 def _cache_full_blocks(wrapped, instance, args, kwargs):
@@ -260,12 +265,21 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
             if got is not None:
                 rt.journal.cached.extend(got[0])
                 return
-            items = [(b.block_id, b.block_hash) for b in blocks
-                     if b.block_hash is not None and not b.is_null]
-            rt.journal.cached.extend(b for b, _ in items)
-            ck.on_cached(items)
+            _cached_slow(rt, ck, blocks)
         _guard(rt, "cache_full_blocks", note)
     return ret
+
+
+def _cached_slow(rt, ck, blocks) -> None:
+    """Blocks given a cache key, in Python (also the native hook's fallback)."""
+    items = [(b.block_id, b.block_hash) for b in blocks
+             if b.block_hash is not None and not b.is_null]
+    rt.journal.cached.extend(b for b, _ in items)
+    ck.on_cached(items)
+
+
+def _after_cache(rt, ck, blocks) -> None:
+    _guard(rt, "cache_full_blocks", _cached_slow, rt, ck, blocks)
 
 
 def _cache_partial_block(wrapped, instance, args, kwargs):
@@ -577,11 +591,14 @@ def _finish_requests(wrapped, instance, args, kwargs):
 def targets() -> list[Target]:
     return [
         Target(_BP, "BlockPool.__init__", _pool_init),
-        Target(_BP, "BlockPool.get_new_blocks", _get_new_blocks),
-        Target(_BP, "BlockPool.touch", _touch),
-        Target(_BP, "BlockPool.free_blocks", _make_release("ordered_blocks")),
+        Target(_BP, "BlockPool.get_new_blocks", _get_new_blocks,
+               fast=("ALLOCATE", _after_allocate)),
+        Target(_BP, "BlockPool.touch", _touch, fast=("TOUCH", _after_touch)),
+        Target(_BP, "BlockPool.free_blocks", _make_release("ordered_blocks"),
+               fast=("RELEASE", _after_release)),
         Target(_BP, "BlockPool.unpin_blocks", _make_release("blocks")),
-        Target(_BP, "BlockPool.cache_full_blocks", _cache_full_blocks),
+        Target(_BP, "BlockPool.cache_full_blocks", _cache_full_blocks,
+               fast=("CACHE", _after_cache)),
         Target(_BP, "BlockPool.cache_partial_block", _cache_partial_block),
         Target(_BP, "BlockPool.move_block_hashes", _move_block_hashes),
         Target(_BP, "BlockPool.evict_blocks", _evict_blocks),

@@ -170,21 +170,26 @@ def hashlib_digest(t) -> bytes:
 
 def _cache_full_blocks(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
-    audit = _audit(rt, instance)
-    if audit is not None:
-        _guard(rt, "identity.cache", _record_cached, audit, instance, args, kwargs)
+    v = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
+    _cached(_rt.get(), instance, v["request"], v["blocks"], v["num_cached_blocks"],
+            v["num_full_blocks"])
     return ret
 
 
-def _record_cached(audit, pool, args, kwargs) -> None:
-    """The producer identity of the blocks a ``cache_full_blocks`` call
-    registered."""
-    v = bind_args(args, kwargs, CACHE_FULL_BLOCKS_ARGS)
-    lo, hi = v["num_cached_blocks"], v["num_full_blocks"]
+def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
+    """After ``cache_full_blocks``: the producer identity of what it
+    registered (the hook's second half; the native allocator hook on the same
+    method calls it as its observer)."""
+    audit = _audit(rt, pool)
+    if audit is not None:
+        _guard(rt, "identity.cache", _record_cached, audit, pool, request, blocks, lo, hi)
+
+
+def _record_cached(audit, pool, request, blocks, lo: int, hi: int) -> None:
+    """The producer identity of blocks ``[lo, hi)`` a ``cache_full_blocks``
+    call registered for ``request``."""
     if lo >= hi:
         return
-    request, blocks = v["request"], v["blocks"]
     ident = _chain(request, pool.hash_block_size, hi)
     fast = _hooks.SHADOWFAST
     if fast is not None and type(blocks) is list:  # the same records, read in C
@@ -276,13 +281,39 @@ def targets() -> list[Target]:
     ]
 
 
+_CACHE_HOOK = ("vllm.v1.core.block_pool", "BlockPool", "cache_full_blocks")
+
+
+def _native_cache_hook():
+    """The allocator's native hook on ``BlockPool.cache_full_blocks`` when
+    there is one (the identity audit then rides on it as its observer rather
+    than wrapping the method a second time)."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(_CACHE_HOOK[0]), _CACHE_HOOK[1])
+    except (ImportError, AttributeError):
+        return None
+    return _hooks.native_hook(cls.__dict__.get(_CACHE_HOOK[2]))
+
+
 def install() -> list[str]:
     """Patch the identity audit's targets (through kvsan's trampolines: on
-    ``cache_full_blocks`` it is a second hook on top of the allocator's)."""
+    ``cache_full_blocks`` it is a second hook on top of the allocator's, or
+    the observer of the allocator's native hook)."""
     ts = targets()
-    installed, _ = instrument(ts)
+    hook = _native_cache_hook()
+    if hook is not None and hook.observer in (None, _cached):
+        hook.observer = _cached
+        installed, _ = instrument(ts[1:])
+        installed.append(ts[0].name)
+    else:
+        installed, _ = instrument(ts)
     return [f"identity:{t.qualname}" for t in ts if t.name in installed]
 
 
 def uninstall() -> None:
+    hook = _native_cache_hook()
+    if hook is not None and hook.observer is _cached:
+        hook.observer = None
     uninstrument(targets())

@@ -1,0 +1,742 @@
+/* kvsan._hookfast: the hottest BlockPool hooks as C callables.
+ *
+ * vLLM's scheduler makes about fifty BlockPool calls a step at 256 running
+ * requests (get_new_blocks, touch, free_blocks, cache_full_blocks).  Through
+ * kvsan's Python trampolines each costs a handful of Python frames of glue
+ * before the clean-event work, which is already in C (kvsan._shadowfast,
+ * kvsan._frames): the trampoline, the hook, the checker lookup, the call
+ * context, the guard and its timer.  Measured in situ (py-spy), that glue was
+ * most of kvsan's scheduler-side cost.  A ``Hook`` here replaces the
+ * trampoline for these four methods: it calls vLLM's original with the
+ * engine's own arguments, reads the call context, applies the event through
+ * the pool's ``_shadowfast.Table`` and files the step journal, all without a
+ * Python frame.
+ *
+ * It is only a faster route to the same results:
+ *  - anything it does not handle (kvsan off, a pool without a native table,
+ *    keyword or unexpected arguments, a one-shot iterable it must not read
+ *    twice) goes to the Python trampoline (``slow``) for the whole call,
+ *    before vLLM's method runs;
+ *  - an event the table does not find clean, or a call without a known
+ *    owner, goes to the Python hook's second half (``post``) with the context
+ *    already read, after vLLM's method ran (the table changes nothing when it
+ *    declines an event);
+ *  - a failure of kvsan's own is handed to ``error_fn`` (the Python guard's
+ *    except branch: counted, and raised only outside ``log`` mode).
+ * tests/test_hookfast.py runs the same scenarios through both routes.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <time.h>
+
+#define KVSAN_HOOKFAST_ABI 1
+
+enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_N = 4 };
+
+/* set by configure(): strong references */
+static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
+static PyObject *context_fn = NULL; /* kvsan._frames.context(depth, owner_ctx) */
+static PyObject *checker_fn = NULL; /* (pool) -> (runtime, checker or None) */
+static PyObject *error_fn = NULL;   /* (runtime, where, exception): may raise */
+static int enabled = 0;             /* enable(): off sends every call to ``slow`` */
+
+/* one-entry cache of checker_fn: the runtime, a weak reference to the pool
+ * and its checker (whose ``fast`` table is read on every call: it may be
+ * replaced) */
+static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
+
+static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
+    *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
+    *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
+    *s_num_full, *zero;
+
+typedef struct {
+    PyObject_HEAD
+    int kind;
+    PyObject *original; /* vLLM's function */
+    PyObject *slow;     /* the Python trampoline: the whole call */
+    PyObject *post;     /* the Python hook's second half */
+    PyObject *where;    /* str: the guard's name for kvsan's own failures */
+    PyObject *observer; /* K_CACHE: a further hook's second half, or None */
+    PyObject *dict;     /* __dict__ (__wrapped__, __name__, __kvsan_patched__) */
+    vectorcallfunc vectorcall;
+} Hook;
+
+static inline double
+now(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.perf_counter's clock on Linux */
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* rt.overhead_s += dt (kvsan_overhead_seconds_total), as the guard does */
+static int
+add_overhead(PyObject *rt, double dt)
+{
+    PyObject *old = PyObject_GetAttr(rt, s_overhead_s);
+    if (old == NULL) {
+        return -1;
+    }
+    double v = PyFloat_AsDouble(old);
+    Py_DECREF(old);
+    if (v == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    PyObject *new = PyFloat_FromDouble(v + dt);
+    if (new == NULL) {
+        return -1;
+    }
+    int r = PyObject_SetAttr(rt, s_overhead_s, new);
+    Py_DECREF(new);
+    return r;
+}
+
+/* the pending exception went to error_fn: 0 handled (counted), -1 raised */
+static int
+failed(PyObject *rt, PyObject *where)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL) {
+        PyException_SetTraceback(value, tb);
+    }
+    PyObject *r = PyObject_CallFunctionObjArgs(error_fn, rt, where,
+                                               value != NULL ? value : Py_None, NULL);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (r == NULL) {
+        return -1;
+    }
+    Py_DECREF(r);
+    return 0;
+}
+
+/* (checker, table) of ``pool`` under ``rt`` as new references: 1 found with a
+ * native table, 0 not (the Python route decides), -1 error */
+static int
+lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
+{
+    PyObject *checker;
+    PyObject *got = NULL;
+    if (c_rt == rt && c_pool_ref != NULL && PyWeakref_GET_OBJECT(c_pool_ref) == pool) {
+        checker = c_ck;
+    } else {
+        got = PyObject_CallOneArg(checker_fn, pool);
+        if (got == NULL) {
+            return -1;
+        }
+        if (!PyTuple_Check(got) || PyTuple_GET_SIZE(got) != 2
+            || PyTuple_GET_ITEM(got, 0) != rt || PyTuple_GET_ITEM(got, 1) == Py_None) {
+            Py_DECREF(got);
+            return 0;
+        }
+        checker = PyTuple_GET_ITEM(got, 1);
+        PyObject *ref = PyWeakref_NewRef(pool, NULL);
+        if (ref == NULL) {
+            PyErr_Clear(); /* not weakly referenceable: not cached */
+        } else {
+            Py_XSETREF(c_rt, Py_NewRef(rt));
+            Py_XSETREF(c_pool_ref, ref);
+            Py_XSETREF(c_ck, Py_NewRef(checker));
+        }
+    }
+    PyObject *table = PyObject_GetAttr(checker, s_fast);
+    if (table == NULL || table == Py_None) {
+        Py_XDECREF(table);
+        Py_XDECREF(got);
+        return table == NULL ? -1 : 0;
+    }
+    *ck = Py_NewRef(checker);
+    *fast = table;
+    Py_XDECREF(got);
+    return 1;
+}
+
+/* new reference: (site, owner) of the engine call being observed */
+static PyObject *
+context(PyObject *rt)
+{
+    PyObject *ctx = PyObject_GetAttr(rt, s_owner_ctx);
+    if (ctx == NULL) {
+        return NULL;
+    }
+    /* depth 0: the calling Python frame is the engine's (or a kvsan hook's,
+     * which the reader skips) */
+    PyObject *argv[2] = {zero, ctx};
+    PyObject *got = PyObject_Vectorcall(context_fn, argv, 2, NULL);
+    Py_DECREF(ctx);
+    if (got == NULL || got != Py_None) {
+        if (got != NULL && (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2)) {
+            Py_DECREF(got);
+            PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: context() returned no pair");
+            return NULL;
+        }
+        return got;
+    }
+    Py_DECREF(got); /* no Python frame at all: as kvsan.hooks.vllm_allocator._context */
+    PyObject *owner = PyObject_CallMethodNoArgs(rt, s_current_owner);
+    if (owner == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("(ON)", s_unknown, owner);
+}
+
+/* rt.journal.<name>.extend(items) when items is a non-empty list */
+static int
+journal_extend(PyObject *rt, PyObject *name, PyObject *items)
+{
+    if (!PyList_Check(items) || PyList_GET_SIZE(items) == 0) {
+        return 0;
+    }
+    PyObject *journal = PyObject_GetAttr(rt, s_journal);
+    if (journal == NULL) {
+        return -1;
+    }
+    PyObject *list = PyObject_GetAttr(journal, name);
+    Py_DECREF(journal);
+    if (list == NULL) {
+        return -1;
+    }
+    int r;
+    if (PyList_CheckExact(list)) {
+        r = PyList_SetSlice(list, PY_SSIZE_T_MAX, PY_SSIZE_T_MAX, items);
+    } else {
+        PyObject *x = PyObject_CallMethod(list, "extend", "O", items);
+        r = x == NULL ? -1 : 0;
+        Py_XDECREF(x);
+    }
+    Py_DECREF(list);
+    return r;
+}
+
+/* fast.<method>(blocks, owner, rt.step, site) */
+static PyObject *
+event(PyObject *fast, PyObject *method, PyObject *rt, PyObject *blocks, PyObject *extra,
+      PyObject *owner, PyObject *site)
+{
+    PyObject *step = PyObject_GetAttr(rt, s_step);
+    if (step == NULL) {
+        return NULL;
+    }
+    PyObject *res;
+    if (extra == NULL) {
+        PyObject *argv[5] = {fast, blocks, owner, step, site};
+        res = PyObject_VectorcallMethod(method, argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    } else {
+        PyObject *argv[6] = {fast, blocks, extra, owner, step, site};
+        res = PyObject_VectorcallMethod(method, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    Py_DECREF(step);
+    return res;
+}
+
+/* the argument ``name`` (position ``pos``, counting the pool as 0) of a call,
+ * borrowed, or NULL when it was not passed */
+static PyObject *
+arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos,
+    PyObject *name)
+{
+    if (pos < nargs) {
+        return args[pos];
+    }
+    if (kwnames != NULL) {
+        Py_ssize_t n = PyTuple_GET_SIZE(kwnames);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            if (k == name || PyUnicode_Compare(k, name) == 0) {
+                return args[nargs + i];
+            }
+        }
+    }
+    return NULL;
+}
+
+/* the observer of a cache hook after vLLM's method ran (``rt``: the running
+ * kvsan, borrowed); NULL with an exception when it raised */
+static PyObject *
+observe(Hook *h, PyObject *rt, PyObject *ret, PyObject *const *argv)
+{
+    PyObject *r = PyObject_Vectorcall(h->observer, argv, 6, NULL);
+    if (r == NULL) {
+        Py_DECREF(ret);
+        return NULL;
+    }
+    Py_DECREF(r);
+    return ret;
+}
+
+/* the whole call through the Python trampoline; a cache hook's observer (the
+ * identity audit's second half) runs after it as after the native route */
+static PyObject *
+slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_INCREF(rt); /* borrowed from the runtime module, which the call may change */
+    PyObject *ret = PyObject_Vectorcall(h->slow, args, nargsf, kwnames);
+    if (ret != NULL && h->kind == K_CACHE && h->observer != Py_None && rt != Py_None) {
+        Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+        PyObject *argv[6] = {rt, nargs > 0 ? args[0] : NULL,
+                             arg(args, nargs, kwnames, 1, s_request),
+                             arg(args, nargs, kwnames, 2, s_blocks),
+                             arg(args, nargs, kwnames, 3, s_num_cached),
+                             arg(args, nargs, kwnames, 4, s_num_full)};
+        int all = 1;
+        for (int i = 1; i < 6; i++) {
+            all &= argv[i] != NULL; /* else vLLM accepted a call without them */
+        }
+        if (all) {
+            ret = observe(h, rt, ret, argv);
+        }
+    }
+    Py_DECREF(rt);
+    return ret;
+}
+
+#define SLOW() slow_call(h, rt, args, nargsf, kwnames)
+
+static PyObject *
+hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hook *h = (Hook *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *rt = PyDict_GetItemWithError(rt_globals, s_runtime); /* borrowed */
+    if (rt == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        rt = Py_None;
+    }
+    if (rt == Py_None) { /* kvsan is not running: vLLM's method alone */
+        return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    }
+    if (!enabled || nargs < 1) {
+        return SLOW();
+    }
+    /* which calls this route takes: the shapes vLLM 0.32 makes */
+    PyObject *blocks = NULL, *lo = NULL, *hi = NULL, *request = NULL;
+    switch (h->kind) {
+    case K_ALLOCATE: /* get_new_blocks(num_blocks) */
+        if (nargs != 2 || kwnames != NULL) {
+            return SLOW();
+        }
+        break;
+    case K_TOUCH: /* touch(blocks): a list (anything else is materialised in Python) */
+        if (nargs != 2 || kwnames != NULL || !PyList_CheckExact(args[1])) {
+            return SLOW();
+        }
+        blocks = args[1];
+        break;
+    case K_RELEASE: /* free_blocks(ordered_blocks), often a one-shot reversed() */
+        if (nargs != 2 || kwnames != NULL) {
+            return SLOW();
+        }
+        break;
+    case K_CACHE: /* cache_full_blocks(request, blocks, num_cached, num_full, ...) */
+        request = arg(args, nargs, kwnames, 1, s_request);
+        blocks = arg(args, nargs, kwnames, 2, s_blocks);
+        lo = arg(args, nargs, kwnames, 3, s_num_cached);
+        hi = arg(args, nargs, kwnames, 4, s_num_full);
+        if (request == NULL || blocks == NULL || lo == NULL || hi == NULL
+            || !PyList_CheckExact(blocks)) {
+            return SLOW();
+        }
+        break;
+    default:
+        return SLOW();
+    }
+    PyObject *pool = args[0];
+    Py_INCREF(rt);
+    PyObject *ck = NULL, *fast = NULL;
+    int got = lookup(rt, pool, &ck, &fast);
+    if (got <= 0) {
+        PyErr_Clear(); /* the Python route meets (and guards) the same */
+        PyObject *r = SLOW();
+        Py_DECREF(rt);
+        return r;
+    }
+
+    PyObject *ret = NULL, *list = NULL, *snap = NULL, *ctx = NULL, *res = NULL;
+    PyObject *sliced = NULL;
+    if (h->kind == K_RELEASE) {
+        /* read once, as the Python hook does (list(args[0])), and pass the list on */
+        list = PySequence_List(args[1]);
+        if (list == NULL) {
+            goto done; /* list() raised: so would the Python hook, before vLLM ran */
+        }
+        double t0 = now();
+        PyObject *argv[3] = {fast, list, pool};
+        snap = PyObject_VectorcallMethod(s_snapshot, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                         NULL);
+        if (snap == NULL) {
+            PyErr_Clear(); /* the Python route meets (and guards) the same */
+        }
+        if (add_overhead(rt, now() - t0) < 0) {
+            PyErr_Clear();
+        }
+        if (snap == NULL || snap == Py_None) { /* the Python route, on the list */
+            PyObject *argv2[2] = {pool, list};
+            ret = slow_call(h, rt, argv2, 2, NULL);
+            goto done;
+        }
+        PyObject *argv2[2] = {pool, list};
+        ret = PyObject_Vectorcall(h->original, argv2, 2, NULL);
+        blocks = list;
+    } else {
+        ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    }
+    if (ret == NULL) {
+        goto done;
+    }
+
+    double t0 = now();
+    ctx = context(rt);
+    if (ctx == NULL) {
+        goto fail;
+    }
+    PyObject *site = PyTuple_GET_ITEM(ctx, 0), *owner = PyTuple_GET_ITEM(ctx, 1);
+    int clean = 0;
+    switch (h->kind) {
+    case K_ALLOCATE:
+        blocks = ret;
+        if (owner != Py_None && PyList_CheckExact(ret)) {
+            res = event(fast, s_allocate, rt, ret, NULL, owner, site);
+            if (res == NULL) {
+                goto fail;
+            }
+            if (res != Py_None) {
+                clean = 1;
+                if (journal_extend(rt, s_uncached, res) < 0) {
+                    goto fail;
+                }
+            }
+        }
+        break;
+    case K_TOUCH:
+        if (owner != Py_None) {
+            res = event(fast, s_share, rt, blocks, NULL, owner, site);
+            if (res == NULL) {
+                goto fail;
+            }
+            clean = res != Py_None;
+        }
+        break;
+    case K_RELEASE:
+        if (owner != Py_None) {
+            res = event(fast, s_release, rt, blocks, snap, owner, site);
+            if (res == NULL) {
+                goto fail;
+            }
+            if (res != Py_None) {
+                clean = 1;
+                if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) < 2) {
+                    PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: release() result");
+                    goto fail;
+                }
+                if (journal_extend(rt, s_freed, PyTuple_GET_ITEM(res, 1)) < 0) {
+                    goto fail;
+                }
+            }
+        }
+        break;
+    case K_CACHE: {
+        PyObject *slice = PySlice_New(lo, hi, NULL);
+        if (slice == NULL) {
+            goto fail;
+        }
+        sliced = PyObject_GetItem(blocks, slice); /* blocks[lo:hi], Python's semantics */
+        Py_DECREF(slice);
+        if (sliced == NULL) {
+            goto fail;
+        }
+        if (PyList_CheckExact(sliced)) {
+            PyObject *argv[2] = {fast, sliced};
+            res = PyObject_VectorcallMethod(s_cache, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                            NULL);
+            if (res == NULL) {
+                goto fail;
+            }
+            if (res != Py_None) {
+                clean = 1;
+                if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) < 1) {
+                    PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: cache() result");
+                    goto fail;
+                }
+                if (journal_extend(rt, s_cached, PyTuple_GET_ITEM(res, 0)) < 0) {
+                    goto fail;
+                }
+            }
+        }
+        break;
+    }
+    }
+    if (add_overhead(rt, now() - t0) < 0) {
+        goto fail;
+    }
+    if (!clean) { /* the Python hook's second half, with the context read here */
+        PyObject *r;
+        if (h->kind == K_RELEASE) {
+            PyObject *argv[7] = {rt, ck, pool, blocks, snap, site, owner};
+            r = PyObject_Vectorcall(h->post, argv, 7, NULL);
+        } else if (h->kind == K_CACHE) {
+            PyObject *argv[3] = {rt, ck, sliced};
+            r = PyObject_Vectorcall(h->post, argv, 3, NULL);
+        } else {
+            PyObject *argv[5] = {rt, ck, blocks, site, owner};
+            r = PyObject_Vectorcall(h->post, argv, 5, NULL);
+        }
+        if (r == NULL) { /* a violation raised (raise/abort mode): as the Python hook */
+            Py_CLEAR(ret);
+            goto done;
+        }
+        Py_DECREF(r);
+    }
+    goto observe;
+
+fail: /* kvsan's own failure in the clean route: guarded */
+    if (failed(rt, h->where) < 0) {
+        Py_CLEAR(ret);
+        goto done;
+    }
+observe:
+    if (h->kind == K_CACHE && h->observer != Py_None) {
+        PyObject *argv[6] = {rt, pool, request, blocks, lo, hi};
+        ret = observe(h, rt, ret, argv);
+    }
+done:
+    Py_XDECREF(sliced);
+    Py_XDECREF(res);
+    Py_XDECREF(ctx);
+    Py_XDECREF(snap);
+    Py_XDECREF(list);
+    Py_DECREF(ck);
+    Py_DECREF(fast);
+    Py_DECREF(rt);
+    return ret;
+}
+
+/* ---- the Hook type: a method descriptor, so ``pool.touch(blocks)`` calls it
+ * with the pool first and no bound-method object, as for a Python function */
+
+static PyObject *
+hook_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *names[] = {"kind", "original", "slow", "post", "where", NULL};
+    int kind;
+    PyObject *original, *slow, *post, *where;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iOOOU", names, &kind, &original, &slow, &post,
+                                     &where)) {
+        return NULL;
+    }
+    if (kind < 0 || kind >= K_N || !PyCallable_Check(original) || !PyCallable_Check(slow)
+        || !PyCallable_Check(post)) {
+        PyErr_Format(PyExc_ValueError,
+                     "Hook(kind 0-%d, original, slow, post: callables, where: str)", K_N - 1);
+        return NULL;
+    }
+    Hook *h = (Hook *)type->tp_alloc(type, 0);
+    if (h == NULL) {
+        return NULL;
+    }
+    h->kind = kind;
+    h->original = Py_NewRef(original);
+    h->slow = Py_NewRef(slow);
+    h->post = Py_NewRef(post);
+    h->where = Py_NewRef(where);
+    h->observer = Py_NewRef(Py_None);
+    h->vectorcall = hook_vectorcall;
+    return (PyObject *)h;
+}
+
+static int
+hook_traverse(Hook *h, visitproc visit, void *arg)
+{
+    Py_VISIT(h->original);
+    Py_VISIT(h->slow);
+    Py_VISIT(h->post);
+    Py_VISIT(h->observer);
+    Py_VISIT(h->dict);
+    return 0;
+}
+
+static int
+hook_clear(Hook *h)
+{
+    Py_CLEAR(h->original);
+    Py_CLEAR(h->slow);
+    Py_CLEAR(h->post);
+    Py_CLEAR(h->observer);
+    Py_CLEAR(h->dict);
+    return 0;
+}
+
+static void
+hook_dealloc(Hook *h)
+{
+    PyObject_GC_UnTrack(h);
+    hook_clear(h);
+    Py_CLEAR(h->where);
+    Py_TYPE(h)->tp_free((PyObject *)h);
+}
+
+static PyObject *
+hook_descr_get(PyObject *self, PyObject *obj, PyObject *type)
+{
+    if (obj == NULL || obj == Py_None) {
+        return Py_NewRef(self);
+    }
+    return PyMethod_New(self, obj);
+}
+
+static PyObject *
+hook_get_observer(Hook *h, void *closure)
+{
+    return Py_NewRef(h->observer);
+}
+
+static int
+hook_set_observer(Hook *h, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        value = Py_None;
+    }
+    if (value != Py_None && !PyCallable_Check(value)) {
+        PyErr_SetString(PyExc_TypeError, "observer: a callable or None");
+        return -1;
+    }
+    Py_XSETREF(h->observer, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
+hook_get_original(Hook *h, void *closure)
+{
+    return Py_NewRef(h->original);
+}
+
+static PyGetSetDef hook_getset[] = {
+    {"observer", (getter)hook_get_observer, (setter)hook_set_observer,
+     "K_CACHE: observer(rt, pool, request, blocks, num_cached, num_full), called after "
+     "the allocator's part (another adapter's hook on the same method), or None",
+     NULL},
+    {"original", (getter)hook_get_original, NULL, "vLLM's function", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject HookType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsan._hookfast.Hook",
+    .tp_basicsize = sizeof(Hook),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL
+                | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "Hook(kind, original, slow, post, where): a BlockPool method observed in C",
+    .tp_new = hook_new,
+    .tp_dealloc = (destructor)hook_dealloc,
+    .tp_traverse = (traverseproc)hook_traverse,
+    .tp_clear = (inquiry)hook_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Hook, vectorcall),
+    .tp_descr_get = hook_descr_get,
+    .tp_getset = hook_getset,
+    .tp_dictoffset = offsetof(Hook, dict),
+};
+
+static PyObject *
+hookfast_configure(PyObject *self, PyObject *args)
+{
+    PyObject *globals, *ctxf, *ckf, *errf;
+    if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &globals, &ctxf, &ckf, &errf)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(ctxf) || !PyCallable_Check(ckf) || !PyCallable_Check(errf)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "configure(runtime module globals, context, checker, on_error)");
+        return NULL;
+    }
+    Py_XSETREF(rt_globals, Py_NewRef(globals));
+    Py_XSETREF(context_fn, Py_NewRef(ctxf));
+    Py_XSETREF(checker_fn, Py_NewRef(ckf));
+    Py_XSETREF(error_fn, Py_NewRef(errf));
+    enabled = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+hookfast_enable(PyObject *self, PyObject *on)
+{
+    int v = PyObject_IsTrue(on);
+    if (v < 0) {
+        return NULL;
+    }
+    enabled = v && rt_globals != NULL;
+    Py_CLEAR(c_rt); /* forget the cached checker: it may have been made otherwise */
+    Py_CLEAR(c_pool_ref);
+    Py_CLEAR(c_ck);
+    return PyBool_FromLong(enabled);
+}
+
+static PyMethodDef hookfast_methods[] = {
+    {"configure", hookfast_configure, METH_VARARGS,
+     "configure(runtime_globals, context, checker, on_error): what the hooks read"},
+    {"enable", hookfast_enable, METH_O,
+     "enable(on) -> whether hooks take the native route (off: the Python trampolines)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef hookfast_module = {
+    .m_base = PyModuleDef_HEAD_INIT,
+    .m_name = "kvsan._hookfast",
+    .m_doc = "kvsan's hottest BlockPool hooks in C (optional speed-up).",
+    .m_size = -1,
+    .m_methods = hookfast_methods,
+};
+
+#define INTERN(var, text)                                                                  \
+    if ((var = PyUnicode_InternFromString(text)) == NULL) {                                \
+        return NULL;                                                                       \
+    }
+
+PyMODINIT_FUNC
+PyInit__hookfast(void)
+{
+    INTERN(s_runtime, "_runtime");
+    INTERN(s_owner_ctx, "owner_ctx");
+    INTERN(s_step, "step");
+    INTERN(s_journal, "journal");
+    INTERN(s_uncached, "uncached");
+    INTERN(s_freed, "freed");
+    INTERN(s_cached, "cached");
+    INTERN(s_overhead_s, "overhead_s");
+    INTERN(s_fast, "fast");
+    INTERN(s_allocate, "allocate");
+    INTERN(s_share, "share");
+    INTERN(s_snapshot, "snapshot");
+    INTERN(s_release, "release");
+    INTERN(s_cache, "cache");
+    INTERN(s_current_owner, "current_owner");
+    INTERN(s_unknown, "?");
+    INTERN(s_request, "request");
+    INTERN(s_blocks, "blocks");
+    INTERN(s_num_cached, "num_cached_blocks");
+    INTERN(s_num_full, "num_full_blocks");
+    if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&hookfast_module);
+    if (m == NULL) {
+        return NULL;
+    }
+    if (PyModule_AddObjectRef(m, "Hook", (PyObject *)&HookType) < 0
+        || PyModule_AddIntConstant(m, "ABI", KVSAN_HOOKFAST_ABI) < 0
+        || PyModule_AddIntConstant(m, "ALLOCATE", K_ALLOCATE) < 0
+        || PyModule_AddIntConstant(m, "TOUCH", K_TOUCH) < 0
+        || PyModule_AddIntConstant(m, "RELEASE", K_RELEASE) < 0
+        || PyModule_AddIntConstant(m, "CACHE", K_CACHE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

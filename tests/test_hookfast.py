@@ -1,0 +1,157 @@
+"""kvsan's native BlockPool hooks (``kvsan._hookfast``) on vLLM's real pool:
+in use where built, called the ways Python can call a method, reporting the
+same faults as the Python route, and counting (not raising) kvsan's own
+failures.  tests/test_native.py compares the whole shadow table and the
+journal of seeded traffic with faults between this route and the pure-Python
+one."""
+
+import sys
+
+import pytest
+
+from conftest import as_owner, kinds_of, only
+from vllm_objects import make_manager, make_request, schedule
+
+pytestmark = [pytest.mark.engine,
+              pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                                 reason="the speed-ups are built for CPython 3.11")]
+
+HOOKED = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks")
+
+
+def _pool_with_blocks(rid="A", n=2):
+    """A manager whose request ``rid`` holds ``n`` cached blocks."""
+    m = make_manager(16)
+    r = make_request(list(range(16 * n)), rid)
+    schedule(m, r)
+    blocks = [b for b in m.coordinator.single_type_managers[0].req_to_blocks[rid]
+              if not b.is_null]
+    return m, r, blocks
+
+
+def test_native_hooks_are_installed(rt):
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvsan import _hookfast, hooks
+
+    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 1
+    for attr in HOOKED:
+        hook = BlockPool.__dict__[attr]
+        assert hooks.native_hook(hook) is hook, attr
+        assert hooks.is_patched(hook) and not hooks.is_patched(hook.__wrapped__)
+        assert hook.__name__ == attr and BlockPool.__dict__[attr] is getattr(BlockPool, attr)
+
+
+def test_double_free_through_each_call_form(rt):
+    """The engine may call a hooked method bound, through the class, or with
+    keywords (the Python route): each reports the same fault, block and
+    owner."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    for form in ("bound", "class", "keyword", "bound-method object"):
+        rt.clear()
+        m, r, blocks = _pool_with_blocks(f"A-{form}")
+        pool = m.block_pool
+        with as_owner(r.request_id):
+            pool.free_blocks(list(blocks))
+            if form == "bound":
+                pool.free_blocks(list(blocks))
+            elif form == "class":
+                BlockPool.free_blocks(pool, list(blocks))
+            elif form == "keyword":
+                pool.free_blocks(ordered_blocks=list(blocks))
+            else:
+                method = pool.free_blocks
+                method(reversed(blocks))  # a one-shot iterable, read once
+        found = only(rt, "double_release")
+        assert sorted(v.blocks for v in found) == [[b.block_id] for b in blocks], form
+        assert {tuple(v.owners) for v in found} == {(r.request_id,)}, form
+
+
+def test_clean_traffic_reports_nothing_and_files_the_journal(rt):
+    """A prefix shared by two requests, both finished: no violation; the
+    worker journal lists what was cached and freed."""
+    rt.journal.take()
+    m = make_manager(16)
+    prefix = list(range(32))
+    a, b = make_request(prefix + [1], "A"), make_request(prefix + [2], "B")
+    schedule(m, a)
+    computed, hit = m.get_computed_blocks(b)[:2]
+    assert hit == 32
+    assert m.allocate_slots(b, b.num_tokens - hit, hit, computed) is not None
+    m.free(a)
+    m.free(b)
+    journal = rt.journal.take()
+    assert kinds_of(rt) == []
+    assert len(journal["cached"]) == 2 and journal["uncached"] == []
+    ck = rt.checkers[m.block_pool]
+    assert ck.counters["shared"] == 2 and ck.counters["released"] == 6
+
+
+def test_use_after_free_found_at_the_touch(rt):
+    """A block freed while B still reads it, then handed out again: reported
+    at the reuse with the live owner, through the native allocate route."""
+    m, r, blocks = _pool_with_blocks("A")
+    pool = m.block_pool
+    with as_owner("B"):
+        pool.touch(blocks)  # B shares A's prefix
+    with as_owner("A"):
+        pool.free_blocks(blocks)
+    victim = blocks[0]
+    victim.ref_cnt = 0  # a faulty engine drops B's reference too ...
+    pool.free_block_queue.append(victim)  # ... and queues the block
+    with as_owner("C"):
+        got = pool.get_new_blocks(pool.get_num_free_blocks())
+    assert victim in got
+    found = only(rt, "reuse_with_live_owners")
+    assert found[0].blocks == [victim.block_id] and found[0].owners == ["B"]
+
+
+def test_own_failure_is_counted_not_raised(rt):
+    """In log mode a failure of kvsan's table reaches neither the engine nor
+    its result: counted once per site as an internal error."""
+    m, r, blocks = _pool_with_blocks("A")
+    pool = m.block_pool
+    ck = rt.checkers[pool]
+    real = ck.fast
+
+    class Broken:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def share(self, *args):
+            raise RuntimeError("kvsan bug")
+
+    errors = rt.reporter.internal_errors
+    ck.fast = Broken()
+    try:
+        with as_owner("B"):
+            before = [b.ref_cnt for b in blocks]
+            assert pool.touch(blocks) is None
+    finally:
+        ck.fast = real
+    assert [b.ref_cnt for b in blocks] == [x + 1 for x in before]  # the engine's touch ran
+    assert rt.reporter.internal_errors == errors + 1
+    assert "touch" in rt.reporter._error_sites
+
+
+def test_kvsan_not_running_is_a_plain_call(rt):
+    """With no kvsan runtime the hooks call vLLM's method and nothing else."""
+    from kvsan import runtime
+
+    m = make_manager(16)
+    pool = m.block_pool
+    ck = rt.checkers[pool]
+    runtime.set_runtime(None)
+    try:
+        with pytest.raises(AttributeError):  # the fixture's owner helper needs kvsan
+            with as_owner("X"):
+                pass
+        got = pool.get_new_blocks(2)
+        pool.free_blocks(got)
+    finally:
+        runtime.set_runtime(rt)
+    assert ck.counters["allocated"] == 0 and kinds_of(rt) == []
+    with as_owner("X"):  # and observed again once kvsan runs
+        pool.free_blocks(pool.get_new_blocks(1))
+    assert ck.counters["allocated"] == 1 and ck.counters["released"] == 1
