@@ -10,6 +10,9 @@ call-site lookup (``_context``) with a timer in the default lane's own
 process, before kvsan is installed there, and steps it side by side with an
 off lane (:mod:`benchmarks.lanes`).  The timer adds about a microsecond per
 call; the per-call figures and the default lane's step time include it.
+The native BlockPool hooks (``kvsan._hookfast``) time themselves: their rows
+are the calls they handled and kvsan's time in them (the Python second
+halves they hand an event to are counted under their guard labels).
 
     .venv/bin/python -m benchmarks.hookcost [requests] [steps]
 """
@@ -61,8 +64,20 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
     from . import sched
 
     acc = _timed_hooks()
-    sched.serve_lane(setting, n, steps, seed, num_blocks,
-                     extra=lambda: {"hooks": {k: v for k, v in acc.items()}})
+
+    def extra():
+        from vllm.v1.core.block_pool import BlockPool
+
+        from kvsan.hooks import native_hook
+
+        out = {k: v for k, v in acc.items()}
+        for attr, fn in vars(BlockPool).items():  # kvsan._hookfast's own counts
+            hook = native_hook(fn)
+            if hook is not None:
+                out[f"{attr} (native hook)"] = [hook.calls, int(hook.seconds * 1e9)]
+        return {"hooks": out}
+
+    sched.serve_lane(setting, n, steps, seed, num_blocks, extra=extra)
 
 
 def bench(n: int = 256, steps: int = 120, seed: int = 0) -> dict:

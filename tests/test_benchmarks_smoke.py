@@ -39,8 +39,13 @@ def test_hookcost_tiny():
 
     guard = vllm_allocator._guard
     res = hookcost.bench(n=8, steps=6)
-    assert res["hooks"]["get_new_blocks"]["calls_per_step"] > 0
-    assert res["hooks"]["owner and call-site lookup"]["us_per_call"] > 0
+    hooks = res["hooks"]
+    # the native hook times itself; the Python route's guard and context
+    # lookup are timed by the benchmark's wrappers
+    alloc = hooks.get("get_new_blocks (native hook)") or hooks["get_new_blocks"]
+    assert alloc["calls_per_step"] > 0 and alloc["us_per_call"] > 0
+    assert "get_new_blocks (native hook)" in hooks or \
+        hooks["owner and call-site lookup"]["us_per_call"] > 0
     assert "timed in all" in hookcost.markdown(res)
     assert vllm_allocator._guard is guard  # the timers are removed again
 

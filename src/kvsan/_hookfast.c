@@ -61,6 +61,8 @@ typedef struct {
     PyObject *observer; /* K_CACHE: a further hook's second half, or None */
     PyObject *dict;     /* __dict__ (__wrapped__, __name__, __kvsan_patched__) */
     vectorcallfunc vectorcall;
+    unsigned long long calls; /* calls that took the native route */
+    double seconds;           /* kvsan's own time in them (benchmarks.hookcost) */
 } Hook;
 
 static inline double
@@ -373,7 +375,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
         if (snap == NULL) {
             PyErr_Clear(); /* the Python route meets (and guards) the same */
         }
-        if (add_overhead(rt, now() - t0) < 0) {
+        double dt = now() - t0;
+        h->seconds += dt;
+        if (add_overhead(rt, dt) < 0) {
             PyErr_Clear();
         }
         if (snap == NULL || snap == Py_None) { /* the Python route, on the list */
@@ -472,7 +476,10 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
         break;
     }
     }
-    if (add_overhead(rt, now() - t0) < 0) {
+    double dt = now() - t0;
+    h->calls++;
+    h->seconds += dt;
+    if (add_overhead(rt, dt) < 0) {
         goto fail;
     }
     if (!clean) { /* the Python hook's second half, with the context read here */
@@ -616,7 +623,22 @@ hook_get_original(Hook *h, void *closure)
     return Py_NewRef(h->original);
 }
 
+static PyObject *
+hook_get_calls(Hook *h, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(h->calls);
+}
+
+static PyObject *
+hook_get_seconds(Hook *h, void *closure)
+{
+    return PyFloat_FromDouble(h->seconds);
+}
+
 static PyGetSetDef hook_getset[] = {
+    {"calls", (getter)hook_get_calls, NULL, "calls that took the native route", NULL},
+    {"seconds", (getter)hook_get_seconds, NULL,
+     "kvsan's own time in them (not vLLM's method, not the Python second halves)", NULL},
     {"observer", (getter)hook_get_observer, (setter)hook_set_observer,
      "K_CACHE: observer(rt, pool, request, blocks, num_cached, num_full), called after "
      "the allocator's part (another adapter's hook on the same method), or None",
