@@ -305,8 +305,9 @@ def install() -> list[str]:
     hook = _native_cache_hook()
     if hook is not None and hook.observer in (None, _cached):
         hook.observer = _cached
-        installed, _ = instrument(ts[1:])
-        installed.append(ts[0].name)
+        rest = [t for t in ts if t.qualname != "BlockPool.cache_full_blocks"]
+        installed, _ = instrument(rest)
+        installed += [t.name for t in ts if t not in rest]
     else:
         installed, _ = instrument(ts)
     return [f"identity:{t.qualname}" for t in ts if t.name in installed]
