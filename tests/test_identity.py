@@ -245,3 +245,38 @@ def test_native_token_links_equal_the_python_chain():
     with pytest.raises(ArithmeticError):
         extend_text(tok, mm, emb, list(range(32)) + [Unhashable()], 16, 3)
     assert (tok, mm, emb) == ([5], [b""], [b""])
+
+
+def test_known_chain_matches_the_python_chain():
+    """``kvsan._tokenlinks.known_chain`` (the identity hooks' lookup of a
+    known text-only request's chain) gives the chain the Python ``_chain``
+    builds, and declines (None) what it must leave to Python: an unknown
+    request, a new Request object under a known id, multimodal input."""
+    import sys
+
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the speed-ups are built for CPython 3.11")
+    from kvsan._tokenlinks import known_chain
+    from kvsan.checks import identity
+    from kvsan.hooks import vllm_identity
+
+    chains = vllm_identity._chains
+    r = request("kc-1", list(range(100)))
+    assert known_chain(chains, r, BLOCK, 2) is None  # no chain yet
+    got = []
+    for on in (True, False):
+        identity.use_native(on)
+        chains.pop("kc-1", None)
+        ident = vllm_identity._chain(r, BLOCK, 1)  # made by Python either way
+        for upto in (2, 2, 4, 6):
+            assert vllm_identity._chain(r, BLOCK, upto) is ident
+        got.append((list(ident.tok), list(ident.mm), list(ident.emb)))
+    identity.use_native(True)
+    assert got[0] == got[1] and len(got[0][0]) == 6
+    assert known_chain(chains, r, BLOCK, 3) is chains["kc-1"][1]
+    assert known_chain(chains, request("kc-1", list(range(100))), BLOCK, 3) is None
+    r.mm_features = [object()]  # multimodal input: the Python path's parts
+    assert known_chain(chains, r, BLOCK, 7) is None
+    assert known_chain(chains, r, BLOCK, 6) is chains["kc-1"][1]  # nothing to extend
+    with pytest.raises(TypeError, match="known_chain"):
+        known_chain([], r, BLOCK, 1)

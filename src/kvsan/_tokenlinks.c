@@ -13,7 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_TOKENLINKS_ABI 2
+#define KVSAN_TOKENLINKS_ABI 3
 
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
@@ -213,7 +213,114 @@ error: /* all or nothing: the three chains cut back to where they were */
     return NULL;
 }
 
+/* known_chain(chains, request, bs, upto) -> the request's identity chain
+ * extended to ``upto`` blocks, or None (the Python path decides: a request
+ * without a chain yet, a new Request object under a known id, multimodal
+ * input or prompt embeddings, tokens not in a list).  ``chains``: request id
+ * -> (weak reference to the Request, its RequestIdentity), as
+ * kvsan.hooks.vllm_identity keeps them; the same steps as its ``_chain`` for
+ * a known text-only request, without a Python frame */
+static PyObject *s_request_id, *s_tok, *s_mm, *s_emb, *s_mm_features, *s_prompt_embeds,
+    *s_all_token_ids;
+
+static PyObject *
+known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "known_chain(chains: dict, request, bs, upto)");
+        return NULL;
+    }
+    PyObject *request = args[1];
+    PyObject *rid = PyObject_GetAttr(request, s_request_id);
+    if (rid == NULL) {
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(args[0], rid); /* borrowed */
+    Py_DECREF(rid);
+    if (entry == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        Py_RETURN_NONE;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
+        || !PyWeakref_Check(PyTuple_GET_ITEM(entry, 0))
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry, 0)) != request) {
+        Py_RETURN_NONE;
+    }
+    PyObject *ident = PyTuple_GET_ITEM(entry, 1);
+    Py_ssize_t upto = PyLong_AsSsize_t(args[3]);
+    if (upto == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    PyObject *tok = PyObject_GetAttr(ident, s_tok);
+    if (tok == NULL) {
+        return NULL;
+    }
+    if (!PyList_CheckExact(tok)) {
+        Py_DECREF(tok);
+        Py_RETURN_NONE;
+    }
+    if (PyList_GET_SIZE(tok) >= upto) {
+        Py_DECREF(tok);
+        return Py_NewRef(ident);
+    }
+    /* to be extended: only a text-only request's chain, over a token list */
+    PyObject *argv[6] = {tok, NULL, NULL, NULL, args[2], args[3]};
+    PyObject *feats = NULL, *embeds = NULL, *out = NULL;
+    int text_only = 0;
+    feats = PyObject_GetAttr(request, s_mm_features);
+    embeds = feats == NULL ? NULL : PyObject_GetAttr(request, s_prompt_embeds);
+    if (embeds == NULL) {
+        goto done;
+    }
+    int has_feats = PyObject_IsTrue(feats);
+    if (has_feats < 0) {
+        goto done;
+    }
+    text_only = !has_feats && embeds == Py_None;
+    if (!text_only) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    argv[3] = PyObject_GetAttr(request, s_all_token_ids);
+    if (argv[3] == NULL) {
+        PyErr_Clear(); /* the Python path reads all_token_ids */
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    if (!PyList_CheckExact(argv[3])) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    argv[1] = PyObject_GetAttr(ident, s_mm);
+    argv[2] = argv[1] == NULL ? NULL : PyObject_GetAttr(ident, s_emb);
+    if (argv[2] == NULL) {
+        goto done;
+    }
+    if (!PyList_CheckExact(argv[1]) || !PyList_CheckExact(argv[2])) {
+        out = Py_NewRef(Py_None);
+        goto done;
+    }
+    PyObject *r = extend_text(module, argv, 6);
+    if (r != NULL) {
+        Py_DECREF(r);
+        out = Py_NewRef(ident);
+    }
+done:
+    Py_XDECREF(argv[1]);
+    Py_XDECREF(argv[2]);
+    Py_XDECREF(argv[3]);
+    Py_XDECREF(feats);
+    Py_XDECREF(embeds);
+    Py_DECREF(tok);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"known_chain", (PyCFunction)(void (*)(void))known_chain, METH_FASTCALL,
+     "known_chain(chains, request, bs, upto) -> a known text-only request's identity chain "
+     "extended to upto blocks, or None (the Python path decides)"},
     {"links", (PyCFunction)(void (*)(void))links, METH_FASTCALL,
      "links(tokens, bs, start, upto, parent) -> the token chain's links of blocks "
      "[start, upto), as hash((parent, tuple(block tokens))) would give them"},
@@ -234,6 +341,17 @@ static struct PyModuleDef tokenlinks_module = {
 PyMODINIT_FUNC
 PyInit__tokenlinks(void)
 {
+    struct {
+        PyObject **var;
+        const char *text;
+    } names[] = {{&s_request_id, "request_id"}, {&s_tok, "tok"}, {&s_mm, "mm"},
+                 {&s_emb, "emb"}, {&s_mm_features, "mm_features"},
+                 {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"}};
+    for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
+        if ((*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL) {
+            return NULL;
+        }
+    }
     PyObject *m = PyModule_Create(&tokenlinks_module);
     if (m == NULL) {
         return NULL;

@@ -57,15 +57,19 @@ _links = None
 #: ``kvsan._tokenlinks.extend_text`` (a text-only chain extended in one
 #: call) when in use, else None
 _extend_text = None
+#: ``kvsan._tokenlinks.known_chain`` (a known text-only request's chain
+#: looked up and extended in one call) when in use, else None
+known_chain = None
 
 
 def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
-    global _links, _extend_text
-    mod = native.load("_tokenlinks", 2) if on else None
+    global _links, _extend_text, known_chain
+    mod = native.load("_tokenlinks", 3) if on else None
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None
+    known_chain = mod.known_chain if mod is not None else None
     return _links is not None
 
 

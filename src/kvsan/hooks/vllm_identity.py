@@ -18,6 +18,7 @@ import weakref
 
 from .. import hooks as _hooks
 from .. import runtime as _rt
+from ..checks import identity as _identity
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
 from . import Target, bind_args, instrument, request_on_stack, uninstrument
 from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS, _guard
@@ -118,6 +119,11 @@ def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes]:
 
 
 def _chain(request, bs: int, upto: int) -> RequestIdentity:
+    known = _identity.known_chain
+    if known is not None:  # a known text-only request: the same steps in one C call
+        ident = known(_chains, request, bs, upto)
+        if ident is not None:
+            return ident
     rid = request.request_id
     entry = _chains.get(rid)
     if entry is not None and entry[0]() is request:
