@@ -122,12 +122,11 @@ failed(PyObject *rt, PyObject *where)
 static int
 lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
 {
-    PyObject *checker;
-    PyObject *got = NULL;
+    PyObject *checker; /* a new reference */
     if (c_rt == rt && c_pool_ref != NULL && PyWeakref_GET_OBJECT(c_pool_ref) == pool) {
-        checker = c_ck;
+        checker = Py_NewRef(c_ck);
     } else {
-        got = PyObject_CallOneArg(checker_fn, pool);
+        PyObject *got = PyObject_CallOneArg(checker_fn, pool);
         if (got == NULL) {
             return -1;
         }
@@ -136,7 +135,8 @@ lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
             Py_DECREF(got);
             return 0;
         }
-        checker = PyTuple_GET_ITEM(got, 1);
+        checker = Py_NewRef(PyTuple_GET_ITEM(got, 1));
+        Py_DECREF(got);
         PyObject *ref = PyWeakref_NewRef(pool, NULL);
         if (ref == NULL) {
             PyErr_Clear(); /* not weakly referenceable: not cached */
@@ -149,12 +149,11 @@ lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
     PyObject *table = PyObject_GetAttr(checker, s_fast);
     if (table == NULL || table == Py_None) {
         Py_XDECREF(table);
-        Py_XDECREF(got);
+        Py_DECREF(checker);
         return table == NULL ? -1 : 0;
     }
-    *ck = Py_NewRef(checker);
+    *ck = checker;
     *fast = table;
-    Py_XDECREF(got);
     return 1;
 }
 
