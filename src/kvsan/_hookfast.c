@@ -23,7 +23,9 @@
  *    declines an event);
  *  - a failure of kvsan's own is handed to ``error_fn`` (the Python guard's
  *    except branch: counted, and raised only outside ``log`` mode).
- * tests/test_hookfast.py runs the same scenarios through both routes.
+ * tests/test_native.py compares this route with the pure-Python one (the whole
+ * shadow table, journal and violations of seeded traffic with faults);
+ * tests/test_hookfast.py covers the call forms and the failure handling.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
