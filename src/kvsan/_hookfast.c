@@ -619,12 +619,6 @@ hook_set_observer(Hook *h, PyObject *value, void *closure)
 }
 
 static PyObject *
-hook_get_original(Hook *h, void *closure)
-{
-    return Py_NewRef(h->original);
-}
-
-static PyObject *
 hook_get_calls(Hook *h, void *closure)
 {
     return PyLong_FromUnsignedLongLong(h->calls);
@@ -644,7 +638,6 @@ static PyGetSetDef hook_getset[] = {
      "K_CACHE: observer(rt, pool, request, blocks, num_cached, num_full), called after "
      "the allocator's part (another adapter's hook on the same method), or None",
      NULL},
-    {"original", (getter)hook_get_original, NULL, "vLLM's function", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };

@@ -21,8 +21,7 @@ from time import perf_counter as _perf_counter
 from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
-from ..report import KVSanViolation
-from . import Target, bind_args, call_context, call_site, owner_from_frames
+from . import Target, bind_args, call_context, call_site, guard_failed, owner_from_frames
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
@@ -61,10 +60,8 @@ def _guard(rt, where: str, fn, *args):
     t0 = _perf_counter()
     try:
         return fn(*args)
-    except KVSanViolation:
-        raise
     except Exception as e:  # noqa: BLE001 - report first, never mask
-        rt.reporter.internal_error(where, e)
+        guard_failed(rt, where, e)  # a violation (raise / abort modes) propagates
         return None
     finally:
         rt.overhead_s += _perf_counter() - t0

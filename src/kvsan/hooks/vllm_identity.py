@@ -311,7 +311,7 @@ def install() -> list[str]:
     hook = _native_cache_hook()
     if hook is not None and hook.observer in (None, _cached):
         hook.observer = _cached
-        rest = [t for t in ts if t.qualname != "BlockPool.cache_full_blocks"]
+        rest = [t for t in ts if t.qualname != ".".join(_CACHE_HOOK[1:])]
         installed, _ = instrument(rest)
         installed += [t.name for t in ts if t not in rest]
     else:
