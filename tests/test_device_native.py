@@ -1,8 +1,10 @@
-"""The device checker's three set-ups give the same results:
+"""The device checker's set-ups give the same results:
 ``kvsan._devicefast`` (C over host tables), host tables without it (numpy
-and memoryview table writes; the guard and checksums as torch ops), and
-tables on the device (every operation a torch op: the CUDA path, run here
-on CPU).
+and memoryview table writes; the guard and checksums as torch ops), the
+guard deferred to the step's end (what a slot mapping in CUDA memory gets),
+tables on the device (``host_tables=False``: every operation a torch op),
+and the checksums' one-launch Triton kernel (run here by Triton's
+interpreter; on a GPU by ``python -m benchmarks.cuda_device``).
 
 Seeded random traffic with faults drives one checker per path through the
 same calls; every violation, every table and every checksum must agree.
@@ -15,16 +17,21 @@ import pytest
 import torch
 
 from kvsan.checks import device, native
-from kvsan.checks.device import DeviceChecker
+from kvsan.checks.device import _INT_OF_SIZE, DeviceChecker
 
 NB, BS = 24, 4
 
 
-def _make(path: str, found: list, monkeypatch) -> DeviceChecker:
-    monkeypatch.setattr(native, "DEVICEFAST", native.load("_devicefast", 1) if path == "c" else None)
+def _make(path: str, found: list, monkeypatch, device: str = "cpu") -> DeviceChecker:
+    """``device``: where the cache tensors live, and the "torch" path's
+    tables (``benchmarks.cuda_device`` runs the paths on a GPU against the
+    host paths)."""
+    monkeypatch.setattr(native, "DEVICEFAST",
+                        native.load("_devicefast", 1) if path in ("c", "deferred") else None)
     dc = DeviceChecker(NB, BS, emit=found.append, checksum="all", poison=True,
-                       host_tables=path != "torch")
-    assert (dc._fast is not None) == (path == "c")
+                       host_tables=path != "torch", device=device,
+                       defer_guard=True if path == "deferred" else None)
+    assert (dc._fast is not None) == (path in ("c", "deferred"))
     assert (dc._np is None) == (path == "torch")
     return dc
 
@@ -49,13 +56,14 @@ def _slots(rng, dc_view: dict, batch: list, counts: list, fault: bool) -> torch.
     return t
 
 
-def _run(seed: int, path: str, monkeypatch):
+def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     rng = random.Random(seed)
     found: list = []
-    dc = _make(path, found, monkeypatch)
+    dc = _make(path, found, monkeypatch, device)
     gen = torch.Generator().manual_seed(seed)
     layers = [torch.randn(NB, 2, BS, 3, generator=gen),
               torch.randn(NB, 2, BS, 3, generator=gen).to(torch.float16)]
+    layers = [t.to(dc.device) for t in layers]
     fresh_of: dict[str, list[int]] = {}
     live: list[str] = []
     nxt = 0
@@ -92,10 +100,12 @@ def _run(seed: int, path: str, monkeypatch):
         dc.verify_step(layers, [b for _, b in hits])
         batch = list(dict.fromkeys(r for r, _, _ in adds))
         counts = [rng.randrange(0, 6) for _ in batch]
-        dc.guard(_slots(rng, fresh_of, batch, counts, fault), batch, counts)
+        dc.guard(_slots(rng, fresh_of, batch, counts, fault).to(dc.device), batch, counts)
         dc.seal(layers)
         if fault and rng.random() < 0.5:  # a scribble into a block, between steps
-            layers[rng.randrange(2)][rng.randrange(NB)].view(-1)[rng.randrange(24)] += 1
+            t = layers[rng.randrange(2)]  # its raw bits: the same change on every device
+            t.view(_INT_OF_SIZE[t.element_size()])[rng.randrange(NB)].view(-1)[
+                rng.randrange(24)] += 1
     return dc, found
 
 
@@ -111,11 +121,13 @@ def _violations(found: list) -> list:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_three_paths_agree_under_faults(seed, monkeypatch):
-    runs = {p: _run(seed, p, monkeypatch) for p in ("c", "numpy", "torch")}
+def test_every_path_agrees_under_faults(seed, monkeypatch):
+    """C, numpy and torch tables, and the guard deferred to the step's end
+    (what a slot mapping in CUDA memory gets)."""
+    runs = {p: _run(seed, p, monkeypatch) for p in ("c", "numpy", "torch", "deferred")}
     ref_dc, ref_found = runs["torch"]
     assert {v.kind for v in ref_found} >= {"overwrite_shared_block"}  # the faults are seen
-    for path in ("c", "numpy"):
+    for path in ("c", "numpy", "deferred"):
         dc, found = runs[path]
         assert _violations(found) == _violations(ref_found), path
         assert _state(dc) == _state(ref_dc), path
@@ -188,3 +200,74 @@ def test_native_module_is_in_use_by_default():
         pytest.skip("kvsan's C speed-ups are built for CPython 3.11")
     assert native.DEVICEFAST is not None
     assert DeviceChecker(NB, BS, emit=lambda v: None)._fast is native.DEVICEFAST
+
+
+_ACCEL_SCRIPT = r"""
+import os, sys, json
+os.environ["TRITON_INTERPRET"] = "1"  # Triton's kernels run on CPU tensors
+import torch
+from kvsan.checks import device_sums, native
+from kvsan.checks.device import _INT_OF_SIZE, DeviceChecker
+
+native.use_devicefast(False)  # host memory: else the C module answers first
+NB = 24
+gen = torch.Generator().manual_seed(3)
+big = torch.randn(NB, 2, 1500, generator=gen, dtype=torch.float64)
+layers = [big[:, 0], big[:, 1],                                     # rows strided apart
+          torch.randn(NB, 6000, generator=gen).to(torch.bfloat16)]  # the same row bytes
+blocks = [0, 5, 23, 5, 7]
+ref = DeviceChecker(NB, 4, emit=print, host_tables=False).checksums(layers, blocks)
+out = {}
+dc = DeviceChecker(NB, 4, emit=print, accel=True)
+out["same"] = dc.checksums(layers, blocks) == ref and dc.checksums(layers, blocks[:2]) == ref[:2]
+out["used"] = dc._accel is True and dc._accel_layers[1] is not None
+odd = layers[:2] + [torch.randn(NB, 7, generator=gen)]  # rows of another length
+dc2 = DeviceChecker(NB, 4, emit=print, accel=True)
+out["odd_layout_torch_path"] = (dc2.checksums(odd, blocks) ==
+                                DeviceChecker(NB, 4, emit=print, host_tables=False).checksums(odd, blocks)
+                                and dc2._accel_layers[1] is None)
+real = device_sums.block_sums
+device_sums.block_sums = lambda t, idx, w: real(t, idx, w) + 1  # a broken kernel
+dc3 = DeviceChecker(NB, 4, emit=print, accel=True)
+out["broken_declined"] = dc3.checksums(layers, blocks) == ref and dc3._accel is False
+out["why"] = dc3.accel_declined
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_one_launch_checksums_match_the_torch_path(tmp_path):
+    """The Triton kernel gives the torch path's checksums (rows strided
+    apart, several dtypes of one row length); other layouts keep to the
+    torch path; a kernel whose first result differs is declined for good,
+    with its reason, and the answers stay right."""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "accel.py"
+    script.write_text(_ACCEL_SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert line, proc.stdout + proc.stderr
+    got = json.loads(line[0][7:])
+    assert got == {"same": True, "used": True, "odd_layout_torch_path": True,
+                   "broken_declined": True, "why": "differed from the torch path"}
+
+
+def test_poison_writes_the_same_nan_bits_on_every_device(monkeypatch):
+    """Poison is written as raw bits (a float NaN converts to different
+    bits on different devices, and checksums must not depend on that)."""
+    found: list = []
+    dc = _make("c", found, monkeypatch)
+    layers = [torch.zeros(NB, 3, dtype=dt) for dt in
+              (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8)]
+    dc.poison(layers, [2, 0, 5])  # 0: the null block, never poisoned
+    bits = [t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+            for t in layers]
+    assert [b[2, 0].item() for b in bits] == [0x7E00, 0x7FC0, 0x7FC00000, 0x7FF8000000000000, 0xFF]
+    assert all(b[5].eq(b[2]).all() and b[0].eq(0).all() for b in bits)
+    assert all(t[2].isnan().all() for t in layers[:4])
+    dc.unpoison(layers, [2])
+    assert all(b[2].eq(0).all() and b[5].ne(0).all() for b in bits)

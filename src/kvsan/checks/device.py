@@ -83,6 +83,19 @@ def weights(n: int) -> np.ndarray:
 _WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.int8))
 _INT_OF_SIZE = dict(_WORDS)
 
+#: poison as raw bits, written through an integer view: a float NaN is
+#: converted to different bit patterns on different devices (CUDA's half
+#: conversion gives 0x7FFF, the CPU's 0x7E00), and the checksums of a
+#: poisoned block must not depend on where it was poisoned.  Quiet NaNs;
+#: one-byte floats (fp8) 0x7F, a NaN in both e4m3fn and e5m2; other
+#: dtypes: NaN, or -1 for integers (0xFF bytes: NaN for an fp8 cache kept
+#: as uint8).
+_POISON_BITS = {torch.float16: 0x7E00, torch.bfloat16: 0x7FC0, torch.float32: 0x7FC00000,
+                torch.float64: 0x7FF8000000000000}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _POISON_BITS[getattr(torch, _name)] = 0x7F
+
 
 def _as_words(rows: torch.Tensor) -> torch.Tensor:
     """Each row's raw bytes as int64 words, bit-exact (NaN patterns
@@ -109,6 +122,8 @@ class DeviceChecker:
         device: torch.device | str = "cpu",
         null_blocks: Iterable[int] = (0,),
         host_tables: bool | None = None,
+        accel: bool | None = None,
+        defer_guard: bool | None = None,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -117,6 +132,7 @@ class DeviceChecker:
         self.checksum = checksum
         self.checksum_sample = checksum_sample
         self.poison_on = poison
+        #: where the cache tensors live (the checksums and poison run there)
         self.device = torch.device(device)
         self.null = frozenset(null_blocks)
         # worker view
@@ -128,16 +144,23 @@ class DeviceChecker:
         self._rid_int: dict[str, int] = {}
         self._int_rid: list[str | None] = []
         self._free_ints: list[int] = []
-        # device-resident lookup tables for the write guard
-        self.lut = torch.full((num_blocks,), _NONE, dtype=torch.int32, device=self.device)
-        self.sealed_mask = torch.zeros(num_blocks, dtype=torch.bool, device=self.device)
+        # The write guard's lookup tables live in host memory by default, on
+        # every device: with them on a GPU, each of the step's small table
+        # updates and reads was a kernel launch and most were a host sync
+        # (20 per step, 0.7 ms a step on an H200: benchmarks.cuda_device);
+        # in host memory they are numpy and C, and a step on a GPU costs one
+        # asynchronous copy of its slot mapping.  ``host_tables`` False keeps
+        # them on the device (every table operation a torch op there).
+        host = True if host_tables is None else host_tables
+        tdev = torch.device("cpu") if host else self.device
+        self.lut = torch.full((num_blocks,), _NONE, dtype=torch.int32, device=tdev)
+        self.sealed_mask = torch.zeros(num_blocks, dtype=torch.bool, device=tdev)
         #: slots of each block written since it was last handed out; a block
         #: is written once all ``block_size`` slots are (or it was copied)
-        self.fill = torch.zeros(num_blocks, dtype=torch.int32, device=self.device)
+        self.fill = torch.zeros(num_blocks, dtype=torch.int32, device=tdev)
         #: numpy views of (lut, fill, sealed_mask), sharing their memory, when
-        #: the tables live in host memory (``host_tables`` None: on a CPU
-        #: device); None: every table operation is a torch op on the device
-        host = self.device.type == "cpu" if host_tables is None else host_tables
+        #: the tables live in host memory; None: every table operation is a
+        #: torch op on the device
         self._np = (self.lut.numpy(), self.fill.numpy(), self.sealed_mask.numpy()) \
             if host else None
         #: the same tables as memoryviews, for item-by-item access to few blocks
@@ -146,6 +169,16 @@ class DeviceChecker:
         self._fast = native.DEVICEFAST if host else None
         #: (slot mapping tensor, its address, its numpy view): see _host_slots
         self._slots_view: tuple = (None, 0, None)
+        #: a guard whose slot mapping is still being copied from the device:
+        #: (host buffer, copy-done event or None, writer ints, tokens per
+        #: writer, total); checked by :meth:`_settle`, at the latest when the
+        #: step ends (:meth:`seal`), so the copy never stalls the step
+        self._pending_guard: tuple | None = None
+        #: whether a guard over a slot mapping in device memory is deferred
+        #: (None: where the slot mapping is on a CUDA device)
+        self._defer_guard = defer_guard
+        #: host buffers the deferred slot mappings are copied into, by dtype
+        self._slot_bufs: dict = {}
         #: prefix hits served this step, checked once this step's writes are known
         self.step_hits: list[tuple[str, int]] = []
         # sealing and checksums
@@ -159,6 +192,14 @@ class DeviceChecker:
         #: (layers list, its host arrays or None): the numpy views the native
         #: checksums read, made once per list of cache tensors
         self._host_layers: tuple = (None, None)
+        #: checksums of every layer in one kernel launch (Triton,
+        #: :mod:`.device_sums`): None: where the cache is in CUDA memory;
+        #: False once declined (unavailable, or its first result differed
+        #: from the torch path's: :attr:`accel_declined` says why)
+        self._accel = accel
+        self.accel_declined: str | None = None
+        #: (layers list, its :class:`.device_sums.LayerTable`)
+        self._accel_layers: tuple = (None, None)
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0}
 
@@ -200,9 +241,13 @@ class DeviceChecker:
                     mv[b] = values
             return
         table = (self.lut, self.fill, self.sealed_mask)[which]
-        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
         if isinstance(values, list):
-            values = torch.as_tensor(values, dtype=table.dtype, device=self.device)
+            # the last value of a repeated block wins, as on the host paths
+            # (an indexed write with repeats has no set order on a GPU)
+            last = dict(zip(blocks, values))
+            blocks = list(last)
+            values = torch.as_tensor(list(last.values()), dtype=table.dtype, device=table.device)
+        idx = torch.as_tensor(blocks, dtype=torch.long, device=table.device)
         table[idx] = values
 
     def _read(self, which: int, blocks: list[int]) -> list:
@@ -213,9 +258,19 @@ class DeviceChecker:
             mv = self._mv[which]
             return [mv[b] for b in blocks]
         table = (self.lut, self.fill, self.sealed_mask)[which]
-        return table[torch.as_tensor(blocks, dtype=torch.long, device=self.device)].tolist()
+        return table[torch.as_tensor(blocks, dtype=torch.long, device=table.device)].tolist()
+
+    def _index(self, blocks: list[int]) -> torch.Tensor:
+        """``blocks`` as an int64 index on the cache's device.  To a CUDA
+        device through pinned memory, asynchronously: a copy from pageable
+        memory waits for the device's queued work (a host sync)."""
+        idx = torch.tensor(blocks, dtype=torch.long)
+        if self.device.type == "cuda":
+            return idx.pin_memory().to(self.device, non_blocking=True)
+        return idx if self.device.type == "cpu" else idx.to(self.device)
 
     def drop_request(self, rid: str) -> None:
+        self._settle()
         me = self._rid_int.pop(rid, None)
         blocks = self.req_blocks.pop(rid, ())
         for b in blocks:
@@ -233,8 +288,8 @@ class DeviceChecker:
                     if lut[b] == me:
                         lut[b] = _NONE
             else:
-                idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
                 lut = self.lut
+                idx = torch.as_tensor(blocks, dtype=torch.long, device=lut.device)
                 lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
         self._int_rid[me] = None
         self._free_ints.append(me)
@@ -246,6 +301,7 @@ class DeviceChecker:
         and cached for one request may be hit by another in the same step
         (legal), but must not still be held from an earlier step.
         Returns (hits as (rid, block), fresh blocks)."""
+        self._settle()
         hits, fresh, producers, unsealed = [], [], [], []
         for rid, blocks, n_hits in adds:
             mine = self.req_blocks.setdefault(rid, [])
@@ -284,6 +340,7 @@ class DeviceChecker:
 
     # -- sealing --------------------------------------------------------------
     def _unseal(self, blocks: list[int]) -> None:
+        self._settle()
         for b in blocks:
             self.sealed.pop(b, None)
             self.sums.pop(b, None)
@@ -339,22 +396,64 @@ class DeviceChecker:
         ``kvsan._devicefast`` is in use; else one batched gather per layer
         and a matrix-vector product on CPU (20x faster than widening every
         element), a multiply and sum elsewhere (CUDA has no integer matrix
-        product).  Both give the same values."""
+        product); in one kernel launch for every layer where the cache is in
+        CUDA memory and Triton is there (:mod:`.device_sums`).  All give the
+        same values."""
         blocks = list(blocks)
         if self._fast is not None:
             got = self._native_sums(layers, blocks)
             if got is not None:
                 return got
-        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        idx = self._index(blocks)
+        if self._accel is not False and (self._accel or self.device.type == "cuda"):
+            got = self._accel_sums(layers, idx)
+            if got is not None:
+                return got
+        return [tuple(r) for r in self._torch_sums(layers, idx).tolist()]
+
+    def _torch_sums(self, layers: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         cols = []
         for t in layers:
             rows = _as_words(t.index_select(0, idx))
             w = self._w(rows.shape[1])
             cols.append(torch.mv(rows, w) if rows.device.type == "cpu" else (rows * w).sum(1))
-        return [tuple(r) for r in torch.stack(cols, 1).tolist()]
+        return torch.stack(cols, 1)
+
+    def _accel_sums(self, layers: Sequence[torch.Tensor], idx: torch.Tensor):
+        """:meth:`checksums` in one kernel launch, or None where it does not
+        apply to these layers.  Its first result is checked against the
+        torch path; any difference or failure declines it for good (the
+        torch path answers, and :attr:`accel_declined` says why)."""
+        if self._accel_layers[0] is not layers:
+            try:
+                from . import device_sums
+                table = device_sums.LayerTable(layers)
+            except Exception as e:  # noqa: BLE001 - optional: the torch path answers
+                self._accel, self.accel_declined = False, f"unavailable: {e!r}"
+                return None
+            self._accel_layers = (layers, table if table.n_words else None)
+            first = True
+        else:
+            first = False
+        table = self._accel_layers[1]
+        if table is None:
+            return None
+        try:
+            from .device_sums import block_sums
+            got = block_sums(table, idx, self._w(table.n_words)).tolist()
+        except Exception as e:  # noqa: BLE001
+            self._accel, self.accel_declined = False, f"failed: {e!r}"
+            return None
+        if first and got != self._torch_sums(layers, idx).tolist():
+            self._accel, self.accel_declined = False, "differed from the torch path"
+            return None
+        self._accel = True
+        return [tuple(r) for r in got]
 
     def seal(self, layers: Sequence[torch.Tensor]) -> None:
-        """After a step executed: its freshly cached blocks are now written."""
+        """After a step executed: its freshly cached blocks are now written
+        (and the step's deferred write guard, if any, is checked)."""
+        self._settle()
         if not self.pending_seal:
             return
         pending = list(dict.fromkeys(self.pending_seal))
@@ -398,6 +497,7 @@ class DeviceChecker:
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies run before the forward: dst holds src's slots."""
+        self._settle()
         if pairs:
             self._put(1, [d for _, d in pairs], self._read(1, [s for s, _ in pairs]))
 
@@ -405,6 +505,7 @@ class DeviceChecker:
         """Prefix hits served this step: whether they are written at all is
         checked by :meth:`check_hits_written` once the step's slot mapping
         is known; whether they are intact, by :meth:`verify_step`."""
+        self._settle()
         self.step_hits = list(hits)
 
     def check_hits_written(self) -> None:
@@ -456,9 +557,13 @@ class DeviceChecker:
         blocks = [b for b in dict.fromkeys(blocks) if b not in self.null]
         if not blocks or not layers:
             return
-        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        idx = self._index(blocks)
         for t in layers:
-            t.index_fill_(0, idx, float("nan") if t.is_floating_point() else -1)
+            bits = _POISON_BITS.get(t.dtype)
+            if bits is not None:  # the same NaN bits on every device
+                t.view(_INT_OF_SIZE[t.element_size()]).index_fill_(0, idx, bits)
+            else:
+                t.index_fill_(0, idx, float("nan") if t.is_floating_point() else -1)
         self.poisoned.update(blocks)
         self.counters["poisoned"] += len(blocks)
 
@@ -466,7 +571,7 @@ class DeviceChecker:
         blocks = [b for b in blocks if b in self.poisoned]
         if not blocks or not layers:
             return
-        idx = torch.as_tensor(blocks, dtype=torch.long, device=self.device)
+        idx = self._index(blocks)
         for t in layers:
             t.index_fill_(0, idx, 0)
         self.poisoned.difference_update(blocks)
@@ -474,18 +579,66 @@ class DeviceChecker:
     # -- write guard ------------------------------------------------------------
     def guard(self, slot_mapping: torch.Tensor, batch_rids: Sequence[str],
               tokens_per_req: Sequence[int]) -> None:
-        """One batched check of every slot this step writes."""
+        """One batched check of every slot this step writes.  With the tables
+        in host memory and the slot mapping on a CUDA device, the slot
+        mapping is copied into host memory asynchronously and checked when
+        the step ends (:meth:`_settle`): the reports come at the same step,
+        and the copy never waits for the device's queued work."""
+        self._settle()
         total = int(sum(tokens_per_req))
         if total == 0:
             self.check_hits_written()
             return
         self.counters["guarded_tokens"] += total
         ids = [self._rint(r) for r in batch_rids]
+        counts = list(tokens_per_req)
+        defer = self._defer_guard
+        if defer is None:
+            defer = slot_mapping.device.type == "cuda"
+        if defer and self._np is not None:
+            buf = self._slot_buf(slot_mapping.dtype, total)
+            cuda = slot_mapping.device.type == "cuda"
+            buf.copy_(slot_mapping[:total], non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+            self._pending_guard = (buf, event, ids, counts, total)
+            return
+        self._check_writes(slot_mapping, ids, counts, total)
+
+    def _slot_buf(self, dtype: torch.dtype, total: int) -> torch.Tensor:
+        """A host buffer of at least ``total`` slots for a deferred guard
+        (pinned where CUDA is there: an asynchronous copy needs it), grown
+        by doubling and reused: the previous deferred guard is checked
+        before the next copy is queued."""
+        buf = self._slot_bufs.get(dtype)
+        if buf is None or len(buf) < total:
+            n = max(total, 2 * len(buf) if buf is not None else 1024)
+            buf = self._slot_bufs[dtype] = torch.empty(
+                n, dtype=dtype, pin_memory=torch.cuda.is_available())
+        return buf[:total]
+
+    def _settle(self) -> None:
+        """Check the deferred guard, if one is pending (waiting, at most,
+        for its slot mapping's copy: queued before the step's forward, it
+        is done long before the step ends)."""
+        pending = self._pending_guard
+        if pending is None:
+            return
+        self._pending_guard = None
+        buf, event, ids, counts, total = pending
+        if event is not None:
+            event.synchronize()
+        self._check_writes(buf, ids, counts, total)
+
+    def _check_writes(self, slot_mapping: torch.Tensor, ids: list[int], counts: list[int],
+                      total: int) -> None:
         host = self._host_slots(slot_mapping, total) if self._fast is not None else None
         if host is not None:  # one C loop over host memory
-            bad = self._fast.guard(host, ids, tokens_per_req, *self._np, self.block_size)
+            bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
         else:  # torch ops, on the tables' device (on a CPU device: the same memory)
-            bad = self._bad_writes(slot_mapping[:total], ids, tokens_per_req)
+            bad = self._bad_writes(slot_mapping[:total], ids, counts)
         self.check_hits_written()
         for b, w in bad:
             rid = self._int_rid[w]
@@ -523,9 +676,10 @@ class DeviceChecker:
         (block, writer int) pairs of writes outside the writer's own
         unsealed blocks.  One device-to-host read (whether anything is bad)
         in the clean case."""
-        slots = slots.to(self.device)
-        ids = torch.as_tensor(ids, dtype=torch.int32, device=self.device)
-        counts = torch.as_tensor(list(tokens_per_req), device=self.device)
+        dev = self.lut.device
+        slots = slots.to(dev)
+        ids = torch.as_tensor(ids, dtype=torch.int32, device=dev)
+        counts = torch.as_tensor(list(tokens_per_req), device=dev)
         writer = torch.repeat_interleave(ids, counts)
         valid = slots >= 0
         blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
