@@ -60,8 +60,11 @@ def agreement() -> dict:
                     row[path] = "not built"
                     continue
                 dc, found = t._run(seed, path, mp, device="cuda")
-                v, st = t._violations(found), t._state(dc)
-                ref_v, ref_st = t._violations(ref_found), t._state(ref_dc)
+                # (checksums come back asynchronously on a GPU: the same
+                # reports, with the same steps, in another order)
+                v = sorted((x.step,) + x2 for x, x2 in zip(found, t._violations(found)))
+                ref_v = sorted((x.step,) + x2 for x, x2 in zip(ref_found, t._violations(ref_found)))
+                st, ref_st = t._state(dc), t._state(ref_dc)
                 row[path] = ("agree" if v == ref_v and st == ref_st else
                              "DIFFER: " + ", ".join(
                                  (["violations"] if v != ref_v else [])
@@ -108,8 +111,11 @@ class Serving:
         self.live, self.arrivals = live, arrivals
         self.prefixes, self.pb, self.priv = prefixes, prefix_blocks, private_blocks
         self.n = 0
-        #: kvsan's own time in the last step, the GPU synchronised at its end
-        self.kvsan_s = 0.0
+        #: the host's time in kvsan's calls in the last step (waits included),
+        #: and the whole step's, from its start to the forward's end
+        self.kvsan_s = self.step_s = 0.0
+        #: GPU cycles of the simulated forward (0: none)
+        self.forward_cycles = 0
         self.sync = torch.cuda.synchronize if dc.device.type == "cuda" else (lambda: None)
 
     def _take(self, evicted: list) -> int:
@@ -184,10 +190,16 @@ class Serving:
         dc.note_hits(hits)
         dc.verify_step(self.layers, [b for _, b in hits])
         dc.guard(slot_mapping, batch, counts)
+        t1 = time.perf_counter()
+        if self.forward_cycles:  # the step's forward: the GPU busy, the host free
+            torch.cuda._sleep(self.forward_cycles)
+        t2 = time.perf_counter()
         dc.will_seal(will_seal)
         dc.seal(self.layers)
-        self.sync()
-        self.kvsan_s = time.perf_counter() - t0
+        t3 = time.perf_counter()
+        self.sync()  # the runner reads the sampled tokens
+        self.kvsan_s = (t1 - t0) + (t3 - t2)
+        self.step_s = time.perf_counter() - t0
 
     def kv_bytes(self) -> int:
         """The KV bytes the live batch holds: what a decode step's attention reads."""
@@ -201,13 +213,31 @@ SETTINGS = {"guard only (checksum off)": dict(checksum="off"),
 #: the layouts compared side by side: the guard's tables on the device with
 #: per-layer torch checksums (the design before this benchmark first ran on
 #: a GPU), and the default now
-VARIANTS = {"before": dict(host_tables=False, accel=False), "now": {}}
+VARIANTS = {"before": dict(host_tables=False, accel=False, defer_sums=False), "now": {},
+            "now, raise mode (waits for results)": dict(defer_guard=False, defer_sums=False)}
+
+
+def _forward_cycles(ms: float) -> int:
+    """GPU cycles ``torch.cuda._sleep`` spins for about ``ms`` milliseconds."""
+    n = 10_000_000
+    torch.cuda._sleep(n)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    torch.cuda._sleep(n)
+    torch.cuda.synchronize()
+    return int(n * ms / ((time.perf_counter() - t0) * 1e3))
 
 
 def cost(steps: int = 200, warm: int = 80, num_blocks: int = 8192, n_layers: int = 32,
-         device: str = "cuda") -> dict:
+         device: str = "cuda", forward_ms: float = 5.0) -> dict:
     """Parts 2 and 3: host syncs and wall time per step, per setting
-    (``device`` "cpu" with small sizes: a dry run of the workload)."""
+    (``device`` "cpu" with small sizes: a dry run of the workload).
+
+    Each step's forward is simulated by a GPU spin of ``forward_ms`` (about
+    the step's attention-read floor here) between the write guard and the
+    sealing, as in the runner, and the step ends when the host has it back
+    (the runner reads the sampled tokens): the step-time ratio against the
+    spin alone is what kvsan costs a GPU step's throughput."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     shape = (num_blocks, 2, 16, 8, 128)  # 64 KiB per block and layer in bf16
@@ -220,13 +250,22 @@ def cost(steps: int = 200, warm: int = 80, num_blocks: int = 8192, n_layers: int
     sync()
     copy_bw = 5 * 2 * big.numel() / (time.perf_counter() - t0)  # bytes read + written
     del big
+    cycles = _forward_cycles(forward_ms) if cuda else 0
+    base = []
+    for _ in range(steps if cuda else 0):
+        t0 = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        torch.cuda.synchronize()
+        base.append(time.perf_counter() - t0)
+    base_step = sorted(base)[len(base) // 2] if base else float("nan")
     out = {"copy_bandwidth_GBps": round(copy_bw / 1e9), "layers": n_layers,
-           "num_blocks": num_blocks, "settings": {}}
+           "num_blocks": num_blocks, "forward_us": round(base_step * 1e6, 1), "settings": {}}
     for name, variant, kw in [(n, v, {**kw, **vkw}) for n, kw in SETTINGS.items()
                               for v, vkw in VARIANTS.items()]:
         found: list = []
         dc = DeviceChecker(num_blocks, 16, emit=found.append, device=device, **kw)
         work = Serving(dc, layers)
+        work.forward_cycles = cycles
         for _ in range(warm):
             work.step()
         sync()
@@ -245,18 +284,22 @@ def cost(steps: int = 200, warm: int = 80, num_blocks: int = 8192, n_layers: int
                 key = f"{os.path.basename(w.filename)}:{w.lineno}"
                 sites[key] = sites.get(key, 0) + 1
         syncs = sum(sites.values())
-        times = []
+        times, step_times = [], []
         # the same steps again without the sync counter's own cost
         for _ in range(steps):
             work.step()
             times.append(work.kvsan_s)
+            step_times.append(work.step_s)
+        dc.flush()
         times.sort()
+        step_times.sort()
         floor = work.kv_bytes() / (copy_bw / 2)  # bytes read once, at the read half
         out["settings"][f"{name} | {variant}"] = {
             "us_per_step_median": round(times[len(times) // 2] * 1e6, 1),
             "us_per_step_p90": round(times[int(len(times) * 0.9)] * 1e6, 1),
             "attention_read_floor_us": round(floor * 1e6, 1),
             "share_of_floor": round(times[len(times) // 2] / floor, 3),
+            "step_throughput_ratio": round(base_step / step_times[len(step_times) // 2], 3),
             "host_syncs_per_step": round(syncs / steps, 2),
             "sync_sites": sites,
             "violations": len(found),
@@ -291,7 +334,8 @@ def kernel_rate(layers, n: int = 4096) -> dict:
 
 
 def profile(steps: int = 100) -> str:
-    """Where the default setting's time goes on the GPU (cProfile, top 25)."""
+    """Where the default setting's time goes on the GPU, with the 5 ms
+    forward (cProfile, top 25)."""
     import cProfile
     import io
     import pstats
@@ -300,6 +344,7 @@ def profile(steps: int = 100) -> str:
               for _ in range(32)]
     dc = DeviceChecker(8192, 16, emit=print, device="cuda", **SETTINGS["default (sample:4)"])
     work = Serving(dc, layers)
+    work.forward_cycles = _forward_cycles(5.0)
     for _ in range(80):
         work.step()
     prof = cProfile.Profile()
@@ -309,6 +354,7 @@ def profile(steps: int = 100) -> str:
     prof.disable()
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    pstats.Stats(prof, stream=buf).sort_stats("cumtime").print_stats("kvsan", 25)
     return buf.getvalue() + "\nkernel rate: " + json.dumps(kernel_rate(layers))
 
 
@@ -318,10 +364,14 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", action="store_true",
                     help="also profile the default setting and time the checksum kernel")
+    ap.add_argument("--profile-only", action="store_true", help="only that")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.cuda_device needs a CUDA device; torch sees none", file=sys.stderr)
         return 2
+    if args.profile_only:
+        print(profile())
+        return 0
     res = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
            "agreement": agreement(), "cost": cost(args.steps)}
     text = json.dumps(res, indent=1)

@@ -30,7 +30,8 @@ def _make(path: str, found: list, monkeypatch, device: str = "cpu") -> DeviceChe
                         native.load("_devicefast", 1) if path in ("c", "deferred") else None)
     dc = DeviceChecker(NB, BS, emit=found.append, checksum="all", poison=True,
                        host_tables=path != "torch", device=device,
-                       defer_guard=True if path == "deferred" else None)
+                       defer_guard=True if path == "deferred" else None,
+                       defer_sums=True if path == "deferred" else None)
     assert (dc._fast is not None) == (path in ("c", "deferred"))
     assert (dc._np is None) == (path == "torch")
     return dc
@@ -60,6 +61,8 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     rng = random.Random(seed)
     found: list = []
     dc = _make(path, found, monkeypatch, device)
+    now = [0]
+    dc.step = lambda: now[0]
     gen = torch.Generator().manual_seed(seed)
     layers = [torch.randn(NB, 2, BS, 3, generator=gen),
               torch.randn(NB, 2, BS, 3, generator=gen).to(torch.float16)]
@@ -68,6 +71,7 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     live: list[str] = []
     nxt = 0
     for step in range(60):
+        now[0] = step
         fault = rng.random() < 0.3
         # requests leave, then this step's block-table growth
         for rid in list(live):
@@ -106,6 +110,7 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
             t = layers[rng.randrange(2)]  # its raw bits: the same change on every device
             t.view(_INT_OF_SIZE[t.element_size()])[rng.randrange(NB)].view(-1)[
                 rng.randrange(24)] += 1
+    dc.flush()
     return dc, found
 
 
@@ -123,13 +128,21 @@ def _violations(found: list) -> list:
 @pytest.mark.parametrize("seed", range(6))
 def test_every_path_agrees_under_faults(seed, monkeypatch):
     """C, numpy and torch tables, and the guard deferred to the step's end
-    (what a slot mapping in CUDA memory gets)."""
+    with the checksums taken up at the next seal or verification (what a
+    cache in CUDA memory gets: the same reports, checksum mismatches a step
+    later, with the step they were checked at)."""
     runs = {p: _run(seed, p, monkeypatch) for p in ("c", "numpy", "torch", "deferred")}
     ref_dc, ref_found = runs["torch"]
     assert {v.kind for v in ref_found} >= {"overwrite_shared_block"}  # the faults are seen
     for path in ("c", "numpy", "deferred"):
         dc, found = runs[path]
-        assert _violations(found) == _violations(ref_found), path
+        if path == "deferred":
+            assert sorted(_violations(found)) == sorted(_violations(ref_found))
+            assert sorted((v.kind, v.step) for v in found) == \
+                sorted((v.kind, v.step) for v in ref_found)
+            assert dc._deferring() and not ref_dc._deferring()
+        else:
+            assert _violations(found) == _violations(ref_found), path
         assert _state(dc) == _state(ref_dc), path
 
 
@@ -271,3 +284,44 @@ def test_poison_writes_the_same_nan_bits_on_every_device(monkeypatch):
     assert all(t[2].isnan().all() for t in layers[:4])
     dc.unpoison(layers, [2])
     assert all(b[2].eq(0).all() and b[5].ne(0).all() for b in bits)
+
+
+def test_deferred_checksums_are_reported_with_their_step_and_never_stale():
+    """Checksums that come back asynchronously (a cache in CUDA memory;
+    forced here): a result for an earlier sealing of a block that has since
+    been evicted and sealed again is dropped, not taken as the block's
+    checksum (that would be a false mismatch); a scribble is reported once
+    the verification arrives, with the step it was checked at."""
+    found: list = []
+    now = [1]
+    dc = DeviceChecker(NB, BS, emit=found.append, step=lambda: now[0], checksum="all",
+                       defer_sums=True)
+    layers = [torch.randn(NB, 2, BS, 3, generator=torch.Generator().manual_seed(0))]
+
+    def write(rid, block):
+        dc.add_step([(rid, [block], 0)])
+        dc.guard(torch.arange(block * BS, (block + 1) * BS), [rid], [BS])
+        layers[0][block].normal_()
+        dc.will_seal([block])
+        dc.seal(layers)
+
+    write("a", 3)
+    assert dc._pending_sums and 3 not in dc.sums  # on its way
+    dc.uncache([3])  # evicted before the result was taken up
+    dc.drop_request("a")
+    now[0] = 2
+    write("b", 3)  # reused and sealed again, with other bytes
+    now[0] = 3
+    dc.verify_step(layers)  # takes up both seals: only the second counts
+    assert dc.sums[3] == dc.checksums(layers, [3])[0]
+    dc.flush()
+    assert found == []
+    layers[0][3].view(-1)[5] += 1  # a scribble
+    now[0] = 4
+    dc.verify_step(layers)  # queued at step 4
+    assert found == []
+    now[0] = 5
+    dc.seal(layers)  # taken up here
+    assert [(v.kind, v.blocks, v.owners, v.step) for v in found] == \
+        [("checksum_mismatch", [3], ["b"], 4)]
+    assert found[0].details[0]["check"] == "every step"

@@ -124,6 +124,7 @@ class DeviceChecker:
         host_tables: bool | None = None,
         accel: bool | None = None,
         defer_guard: bool | None = None,
+        defer_sums: bool | None = None,
     ):
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -200,13 +201,30 @@ class DeviceChecker:
         self.accel_declined: str | None = None
         #: (layers list, its :class:`.device_sums.LayerTable`)
         self._accel_layers: tuple = (None, None)
+        #: whether checksums computed on a device come back asynchronously
+        #: (None: where the cache is in CUDA memory).  Reading them at once
+        #: waits for everything queued before them, the step's forward
+        #: included, so sealing and verifying would each stall the step;
+        #: instead they are copied to host memory behind the work and taken
+        #: up at the next seal or verification once there (:meth:`_drain`):
+        #: a mismatch is reported a step or so late, with the step it was
+        #: checked at, and :meth:`flush` waits for all of them.
+        self._defer_sums = defer_sums
+        #: checksums on their way from the device, oldest first: [kind
+        #: ("seal" / "verify"), blocks, whys (verify), host tensor, copy-done
+        #: event or None, step].  Taken up in this order, a block's results
+        #: follow its history: a sealing's before a later verification's, an
+        #: earlier sealing's before a re-sealing's (which replaces it); a
+        #: verification of a block unsealed since is compared with nothing.
+        self._pending_sums: list = []
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0}
 
     # -- reporting ------------------------------------------------------------
-    def _report(self, kind, message, blocks, owners, actor, details=None):
+    def _report(self, kind, message, blocks, owners, actor, details=None, step=None):
         self.emit(Violation(kind=kind, message=message, blocks=list(blocks),
-                            owners=sorted(set(owners)), actor=actor, step=self.step(),
+                            owners=sorted(set(owners)), actor=actor,
+                            step=self.step() if step is None else step,
                             site="worker", details=details or [], pool="gpu"))
 
     # -- worker view ----------------------------------------------------------
@@ -404,12 +422,62 @@ class DeviceChecker:
             got = self._native_sums(layers, blocks)
             if got is not None:
                 return got
+        return [tuple(r) for r in self._sums_tensor(layers, blocks).tolist()]
+
+    def _sums_tensor(self, layers: Sequence[torch.Tensor], blocks: list[int]) -> torch.Tensor:
+        """:meth:`checksums` as a ``[blocks, layers]`` int64 tensor on the
+        cache's device (not read back)."""
         idx = self._index(blocks)
         if self._accel is not False and (self._accel or self.device.type == "cuda"):
             got = self._accel_sums(layers, idx)
             if got is not None:
                 return got
-        return [tuple(r) for r in self._torch_sums(layers, idx).tolist()]
+        return self._torch_sums(layers, idx)
+
+    def _deferring(self) -> bool:
+        if self._defer_sums is not None:
+            return self._defer_sums
+        return self.device.type == "cuda"
+
+    def _sums_later(self, kind: str, layers, blocks: list[int], whys=None) -> None:
+        """Queue the checksums of ``blocks``, copied to host memory behind
+        the device's work, for :meth:`_drain`."""
+        got = self._sums_tensor(layers, blocks)
+        event = None
+        if got.device.type == "cuda":
+            host = torch.empty(got.shape, dtype=got.dtype, pin_memory=True)
+            host.copy_(got, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            got = host
+        self._pending_sums.append([kind, blocks, whys, got, event, self.step()])
+
+    def _drain(self, wait: bool = False) -> None:
+        """Take up the checksums that have arrived (all of them, waiting,
+        with ``wait``), in the order they were queued: a block's sealing
+        before its verification."""
+        pending = self._pending_sums
+        while pending:
+            kind, blocks, whys, host, event, step = pending[0]
+            if event is not None:
+                if not wait and not event.query():
+                    return
+                event.synchronize()
+            pending.pop(0)
+            rows = [tuple(r) for r in host.tolist()]
+            if kind == "seal":
+                sealed = self.sealed
+                for b, r in zip(blocks, rows):
+                    if b in sealed:  # (not unsealed since)
+                        self.sums[b] = r
+            else:
+                self._compare(blocks, rows, whys, step)
+
+    def flush(self) -> None:
+        """Check everything still on its way: a deferred write guard, and
+        checksums being copied from the device (waits for them)."""
+        self._settle()
+        self._drain(wait=True)
 
     def _torch_sums(self, layers: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
         cols = []
@@ -440,20 +508,22 @@ class DeviceChecker:
             return None
         try:
             from .device_sums import block_sums
-            got = block_sums(table, idx, self._w(table.n_words)).tolist()
+            got = block_sums(table, idx, self._w(table.n_words))
+            if first and not torch.equal(got, self._torch_sums(layers, idx)):
+                self._accel, self.accel_declined = False, "differed from the torch path"
+                return None
         except Exception as e:  # noqa: BLE001
             self._accel, self.accel_declined = False, f"failed: {e!r}"
             return None
-        if first and got != self._torch_sums(layers, idx).tolist():
-            self._accel, self.accel_declined = False, "differed from the torch path"
-            return None
         self._accel = True
-        return [tuple(r) for r in got]
+        return got
 
     def seal(self, layers: Sequence[torch.Tensor]) -> None:
         """After a step executed: its freshly cached blocks are now written
         (and the step's deferred write guard, if any, is checked)."""
         self._settle()
+        if self._pending_sums:
+            self._drain()
         if not self.pending_seal:
             return
         pending = list(dict.fromkeys(self.pending_seal))
@@ -464,9 +534,11 @@ class DeviceChecker:
             return
         now = self.step()
         if self.checksum != "off" and layers:
-            sums = self.checksums(layers, blocks)
-            for b, s in zip(blocks, sums):
-                self.sums[b] = s
+            if self._deferring():
+                self._sums_later("seal", layers, blocks)
+            else:
+                for b, s in zip(blocks, self.checksums(layers, blocks)):
+                    self.sums[b] = s
         for b in blocks:
             self.sealed[b] = now
         self._put(2, blocks, True)
@@ -477,13 +549,26 @@ class DeviceChecker:
         """Re-checksum sealed ``blocks`` (one batched gather) and report any
         that changed.  ``blocks`` may map each block to why it is checked."""
         whys = blocks if isinstance(blocks, dict) else dict.fromkeys(blocks, why)
-        blocks = [b for b in whys if b in self.sums]
+        deferring = self._deferring()
+        # (deferring: a sealed block without checksums has them on their way)
+        blocks = [b for b in whys if b in self.sums or (deferring and b in self.sealed)]
         if not blocks or not layers:
             return
         self.counters["verified"] += len(blocks)
-        now = self.checksums(layers, blocks)
-        for b, cur in zip(blocks, now):
-            diff = [i for i, (x, y) in enumerate(zip(cur, self.sums[b])) if x != y]
+        if deferring:
+            self._sums_later("verify", layers, blocks, {b: whys[b] for b in blocks})
+            return
+        self._compare(blocks, self.checksums(layers, blocks), whys)
+
+    def _compare(self, blocks: list[int], rows: list[tuple], whys: dict,
+                 step: int | None = None) -> None:
+        """Report each block whose checksums ``rows`` differ from its
+        sealed ones (``step``: when they were taken, if not now)."""
+        for b, cur in zip(blocks, rows):
+            sealed = self.sums.get(b)
+            if sealed is None:
+                continue
+            diff = [i for i, (x, y) in enumerate(zip(cur, sealed)) if x != y]
             if diff:
                 owners = self.holders.get(b, set())
                 self._report(
@@ -492,7 +577,7 @@ class DeviceChecker:
                     f"(layers {diff}; checked {whys[b]})",
                     [b], owners, None,
                     details=[{"block": b, "layers": diff, "sealed_step": self.sealed.get(b),
-                              "check": whys[b]}])
+                              "check": whys[b]}], step=step)
                 self.sums[b] = cur  # report once per change
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -534,7 +619,9 @@ class DeviceChecker:
         reads them) and the sampled ones (round robin, see
         :data:`SAMPLE_BATCH_STEPS`; every sealed block every step with
         ``all``)."""
-        if self.checksum == "off" or not self.sums:
+        if self._pending_sums:
+            self._drain()
+        if self.checksum == "off" or not (self.sums or self._pending_sums):
             return
         whys = dict.fromkeys(hit_blocks, "at prefix hit")
         self._tick += 1

@@ -94,6 +94,11 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
             checksum_sample=rt.config.checksum_sample,
             poison=rt.config.poison,
             device=layers[0].device if layers else "cpu",
+            # on a GPU, log mode checks the step's slot mapping and checksums
+            # as they arrive, never stalling the step; raise and abort modes
+            # wait for them, so a violation stops the step it is found in
+            defer_guard=None if rt.config.mode == "log" else False,
+            defer_sums=None if rt.config.mode == "log" else False,
         )
         _checkers[runner] = dc
     return dc
