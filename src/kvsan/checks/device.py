@@ -5,10 +5,11 @@ corruption even when every allocator call was right (a bad block table, a
 bad slot mapping, a kernel or copy writing where it should not).
 
 Engine-agnostic: it works on block ids, request ids and the per-layer cache
-tensors (block-major: dim 0 is the block), with torch ops only; on a CPU
-device its lookup tables are also read and written through numpy views of
-the same memory (a scalar numpy write costs about 0.1 µs, a torch one 3 µs,
-and the step's checks are dozens of small operations).
+tensors (block-major: dim 0 is the block), with torch ops (and Triton for
+the checksums on a GPU); its lookup tables live in host memory on every
+device and are read and written through numpy views and C (a scalar numpy
+write costs about 0.1 µs, a torch one 3 µs, and on a GPU most small table
+operations were also a host sync; the step's checks are dozens of them).
 
 * **worker view**: which requests hold which blocks, from what the scheduler
   sent this worker (new / appended / resumed / finished / preempted);
