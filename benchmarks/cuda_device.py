@@ -15,12 +15,17 @@ runner takes), in three parts:
 3. **cost per step** at a serving-sized cache (32 layers of 64 KiB per block,
    8192 blocks, 256 live requests decoding while 4 new ones prefill onto
    shared sealed prefixes each step), at ``KVSAN_CHECKSUM=off`` (guard only),
-   the default ``sample:4`` and ``all`` with poisoning: wall time per step
-   with the GPU synchronised, against the memory-bound floor of the step's
-   own attention reads (the KV bytes the batch holds, at the copy bandwidth
-   measured in the same run).
+   the default ``sample:4`` and ``all`` with poisoning, for the layout
+   before the first GPU run, the default now, and now in ``raise`` mode
+   (which waits for results): kvsan's host time per step and the step's
+   throughput against its forward alone (a 5 ms GPU spin between the write
+   guard and the sealing, as in the runner), next to the memory-bound
+   floor of the step's own attention reads (the KV bytes the batch holds,
+   at the copy bandwidth measured in the same run).
 
-    python -m benchmarks.cuda_device [--out FILE]
+    python -m benchmarks.cuda_device [--out FILE] [--profile | --profile-only]
+
+Results of the eighth session's H200 run: ``benchmarks/cuda_device_h200.json``.
 """
 
 from __future__ import annotations

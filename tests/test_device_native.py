@@ -325,3 +325,25 @@ def test_deferred_checksums_are_reported_with_their_step_and_never_stale():
     assert [(v.kind, v.blocks, v.owners, v.step) for v in found] == \
         [("checksum_mismatch", [3], ["b"], 4)]
     assert found[0].details[0]["check"] == "every step"
+
+
+def test_the_same_batch_after_requests_change_their_ints(monkeypatch):
+    """The guard reuses the last batch's request ints while the batch is the
+    same list of requests; two requests preempted and resumed in one step
+    come back with each other's ints, and their writes to their own new
+    blocks must not be taken for each other's."""
+    found: list = []
+    dc = _make("c", found, monkeypatch)
+    slots = lambda *blocks: torch.tensor([b * BS + i for b in blocks for i in range(BS)])  # noqa: E731
+    dc.add_step([("a", [1], 0), ("b", [2], 0)])
+    dc.guard(slots(1, 2), ["a", "b"], [BS, BS])
+    ints = dict(dc._rid_int)
+    dc.drop_request("a")
+    dc.drop_request("b")
+    dc.add_step([("a", [4], 0), ("b", [3], 0)])  # resumed: new ints, swapped
+    assert dc._rid_int == {"a": ints["b"], "b": ints["a"]}
+    dc.guard(slots(4, 3), ["a", "b"], [BS, BS])
+    assert found == []
+    dc.guard(slots(3, 4), ["a", "b"], [BS, BS])  # now each writes the other's block
+    assert sorted((v.kind, v.blocks, v.actor) for v in found) == \
+        [("overwrite_shared_block", [3], "a"), ("overwrite_shared_block", [4], "b")]
