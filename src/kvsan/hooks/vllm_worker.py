@@ -189,6 +189,12 @@ def _execute_model(wrapped, instance, args, kwargs):
     return ret
 
 
+def _ints(counts) -> list[int]:
+    """Tokens per request as Python ints: one C call for vLLM's numpy
+    arrays (an ``int()`` per element costs about 0.1 µs each)."""
+    return counts.tolist() if hasattr(counts, "tolist") else [int(n) for n in counts]
+
+
 def _prepare_inputs(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt.get()
@@ -199,7 +205,7 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
             num_reqs = instance.input_batch.num_reqs
             table = instance.input_batch.block_table.block_tables[0]
             dc.guard(table.slot_mapping.gpu, instance.input_batch.req_ids[:num_reqs],
-                     [int(n) for n in num_sched[:num_reqs]])
+                     _ints(num_sched[:num_reqs]))
         _dguard(rt, "_prepare_inputs.guard", check)
     return ret
 
@@ -214,7 +220,7 @@ def _prepare_attn_v2(wrapped, instance, args, kwargs):
         def check():
             batch = args[0] if args else kwargs["input_batch"]
             n = batch.num_reqs
-            counts = [int(x) for x in batch.num_scheduled_tokens[:n]]
+            counts = _ints(batch.num_scheduled_tokens[:n])
             if sum(counts) != batch.num_tokens:
                 return  # adaptive speculative verification: no per-token owner map
             dc.guard(ret[1][0], batch.req_ids[:n], counts)
