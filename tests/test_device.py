@@ -337,6 +337,42 @@ def test_v2_prepare_attn_guard_adapter(kvsan_rt):
     del vllm_worker._checkers[runner]
 
 
+def test_runner_shutdown_reports_what_is_still_on_its_way(kvsan_rt):
+    """On a GPU in log mode a step's guard and checksums come back after the
+    step; the runner's shutdown hook checks them before vLLM releases the
+    cache, so a scribble found by the last verification is reported (forced
+    deferred here, on CPU tensors), and vLLM's shutdown still runs."""
+    import torch
+
+    from kvsan.checks.device import DeviceChecker
+    from kvsan.hooks import vllm_worker
+
+    kvsan_rt.clear()
+    dc = DeviceChecker(8, BS, emit=kvsan_rt.reporter.emit, checksum="all",
+                       defer_guard=True, defer_sums=True)
+    layers = [torch.randn(8, 2, BS, 3)]
+    dc.add_step([("P", [1], 0)])
+    dc.guard(torch.arange(BS, 2 * BS), ["P"], [BS])
+    dc.will_seal([1])
+    dc.seal(layers)  # the guard is checked here; the checksums are on their way
+    dc.verify_step(layers)  # takes up the seal's sums, queues a verification
+    layers[0][1].view(-1)[3] += 1  # (after the verification was queued)
+    dc.verify_step(layers)  # queues one that sees the scribble
+    assert dc._pending_sums and kvsan_rt.violations() == []
+
+    class Runner:  # stands for the GPUModelRunner (a weak-referenced key)
+        pass
+
+    runner, ran = Runner(), []
+    vllm_worker._checkers[runner] = dc
+    vllm_worker._shutdown(lambda: ran.append(len(kvsan_rt.violations())), runner, (), {})
+    del vllm_worker._checkers[runner]
+    assert ran == [1]  # reported before vLLM's shutdown ran
+    (v,) = kvsan_rt.violations()
+    assert (v.kind, v.blocks, v.owners) == ("checksum_mismatch", [1], ["P"])
+    assert not dc._pending_sums
+
+
 def test_worker_request_interning_is_bounded_and_clears_producers():
     """The worker's request-id interning recycles ints: it grows with the
     requests live at once, not with every request ever seen, and a dropped

@@ -12,6 +12,9 @@ block tables and cache tensors are all visible around ``execute_model``.
   poison, sealing) and ``prepare_attn`` (the write guard on the slot
   mappings its Triton kernel built).  Written from the source; not yet run
   on a GPU.
+* Both: ``shutdown``, where what is still on its way from the device (on a
+  GPU in log mode: the last step's guard and checksums) is checked before
+  the cache is released.
 """
 
 from __future__ import annotations
@@ -228,13 +231,26 @@ def _prepare_attn_v2(wrapped, instance, args, kwargs):
     return ret
 
 
+def _shutdown(wrapped, instance, args, kwargs):
+    """Before the runner releases its cache: check what is still on its way
+    from the device (a deferred guard, checksums being copied back), so a
+    violation of the last steps is reported, not lost with the process."""
+    rt = _rt.get()
+    dc = _checkers.get(instance) if rt is not None else None
+    if dc is not None:
+        _dguard(rt, "shutdown.flush", dc.flush)
+    return wrapped(*args, **kwargs)
+
+
 def targets() -> list[Target]:
     return [
         Target(_V1, "GPUModelRunner.execute_model", _execute_model, True),
         Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True),
+        Target(_V1, "GPUModelRunner.shutdown", _shutdown, True),
     ]
 
 
 def targets_v2() -> list[Target]:
     return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True),
-            Target(_V2, "GPUModelRunner.prepare_attn", _prepare_attn_v2, True)]
+            Target(_V2, "GPUModelRunner.prepare_attn", _prepare_attn_v2, True),
+            Target(_V2, "GPUModelRunner.shutdown", _shutdown, True)]
