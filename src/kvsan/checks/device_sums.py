@@ -48,8 +48,8 @@ if triton is not None:
 
 class LayerTable:
     """The layers' base addresses and row strides (in words) on their
-    device, made once per list of cache tensors, or None where the kernel
-    does not apply to these layers."""
+    device, made once per list of cache tensors; ``n_words`` (each row's
+    length in words) is None where the kernel does not apply to them."""
 
     def __init__(self, layers: Sequence[torch.Tensor]):
         self.layers = layers  # held: their addresses stay valid
