@@ -129,8 +129,8 @@ def _violations(found: list) -> list:
 def test_every_path_agrees_under_faults(seed, monkeypatch):
     """C, numpy and torch tables, and the guard deferred to the step's end
     with the checksums taken up at the next seal or verification (what a
-    cache in CUDA memory gets: the same reports, checksum mismatches a step
-    later, with the step they were checked at)."""
+    cache in CUDA memory gets: the same reports, in another order, each with
+    the step it was checked at)."""
     runs = {p: _run(seed, p, monkeypatch) for p in ("c", "numpy", "torch", "deferred")}
     ref_dc, ref_found = runs["torch"]
     assert {v.kind for v in ref_found} >= {"overwrite_shared_block"}  # the faults are seen
