@@ -330,28 +330,34 @@ class DeviceChecker:
         Returns (hits as (rid, block), fresh blocks)."""
         self._settle()
         hits, fresh, producers, unsealed = [], [], [], []
+        null, holders, sealed = self.null, self.holders, self.sealed
         for rid, blocks, n_hits in adds:
             mine = self.req_blocks.setdefault(rid, [])
+            me = None
             for b in blocks[n_hits:]:
                 mine.append(b)
-                if b in self.null:
+                if b in null:
                     continue
                 fresh.append(b)
-                h = self.holders.setdefault(b, set())
-                others = h - {rid}
-                if others:
+                h = holders.get(b)
+                if h is None:
+                    h = holders[b] = set()
+                elif h and (len(h) > 1 or rid not in h):
+                    others = h - {rid}
                     self._report(
                         kinds.REUSE_WITH_LIVE_OWNERS,
                         f"block {b} handed to {rid} on the device while "
                         f"{', '.join(sorted(others))} still hold(s) it in the worker's "
                         "block tables",
                         [b], others, rid)
-                if b in self.sealed:
+                if b in sealed:
                     unsealed.append(b)  # a fresh block was evicted by the allocator
                 h.add(rid)
                 # only a block's producer (the request it was freshly
                 # allocated to) may write it, and only until it is sealed
-                producers.append(self._rint(rid))
+                if me is None:
+                    me = self._rint(rid)
+                producers.append(me)
         self._unseal(unsealed)
         self._put(1, fresh, 0)  # written from scratch
         self._put(0, fresh, producers)
