@@ -140,7 +140,7 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
             assert sorted(_violations(found)) == sorted(_violations(ref_found))
             assert sorted((v.kind, v.step) for v in found) == \
                 sorted((v.kind, v.step) for v in ref_found)
-            assert dc._deferring() and not ref_dc._deferring()
+            assert dc._defer_sums and not ref_dc._defer_sums
         else:
             assert _violations(found) == _violations(ref_found), path
         assert _state(dc) == _state(ref_dc), path

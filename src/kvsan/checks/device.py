@@ -98,6 +98,19 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _POISON_BITS[getattr(torch, _name)] = 0x7F
 
 
+def _copy_back(host: torch.Tensor, src: torch.Tensor):
+    """Copy ``src`` into ``host``: from a CUDA device asynchronously, behind
+    the work already queued (``host`` pinned), returning the event that marks
+    the copy done; from anywhere else at once, returning None."""
+    if not src.is_cuda:
+        host.copy_(src)
+        return None
+    host.copy_(src, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
 def _as_words(rows: torch.Tensor) -> torch.Tensor:
     """Each row's raw bytes as int64 words, bit-exact (NaN patterns
     included): 64-bit words wherever the row's size allows, so a
@@ -210,14 +223,14 @@ class DeviceChecker:
         #: (layers list, its :class:`.device_sums.LayerTable`)
         self._accel_layers: tuple = (None, None)
         #: whether checksums computed on a device come back asynchronously
-        #: (None: where the cache is in CUDA memory).  Reading them at once
+        #: (``defer_sums`` None: where the cache is in CUDA memory).  Reading them at once
         #: waits for everything queued before them, the step's forward
         #: included, so sealing and verifying would each stall the step;
         #: instead they are copied to host memory behind the work and taken
         #: up at the next seal or verification once there (:meth:`_drain`):
         #: a mismatch is reported a step or so late, with the step it was
         #: checked at, and :meth:`flush` waits for all of them.
-        self._defer_sums = defer_sums
+        self._defer_sums = self._cuda if defer_sums is None else defer_sums
         #: checksums on their way from the device, oldest first: [kind
         #: ("seal" / "verify"), blocks, whys (verify), host tensor, copy-done
         #: event or None, step].  Taken up in this order, a block's results
@@ -449,11 +462,6 @@ class DeviceChecker:
                 return got
         return self._torch_sums(layers, idx)
 
-    def _deferring(self) -> bool:
-        if self._defer_sums is not None:
-            return self._defer_sums
-        return self._cuda
-
     def _sums_later(self, kind: str, layers, blocks: list[int], whys=None) -> None:
         """Queue the checksums of ``blocks``, copied to host memory behind
         the device's work, for :meth:`_drain`."""
@@ -461,10 +469,7 @@ class DeviceChecker:
         event = None
         if got.is_cuda:
             host = torch.empty(got.shape, dtype=got.dtype, pin_memory=True)
-            host.copy_(got, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            got = host
+            event, got = _copy_back(host, got), host
         self._pending_sums.append([kind, blocks, whys, got, event, self.step()])
 
     def _drain(self, wait: bool = False) -> None:
@@ -549,7 +554,7 @@ class DeviceChecker:
             return
         now = self.step()
         if self.checksum != "off" and layers:
-            if self._deferring():
+            if self._defer_sums:
                 self._sums_later("seal", layers, blocks)
             else:
                 for b, s in zip(blocks, self.checksums(layers, blocks)):
@@ -564,7 +569,7 @@ class DeviceChecker:
         """Re-checksum sealed ``blocks`` (one batched gather) and report any
         that changed.  ``blocks`` may map each block to why it is checked."""
         whys = blocks if isinstance(blocks, dict) else dict.fromkeys(blocks, why)
-        deferring = self._deferring()
+        deferring = self._defer_sums
         # (deferring: a sealed block without checksums has them on their way)
         blocks = [b for b in whys if b in self.sums or (deferring and b in self.sealed)]
         if not blocks or not layers:
@@ -705,12 +710,7 @@ class DeviceChecker:
             defer = slot_mapping.is_cuda
         if defer and self._np is not None:
             buf = self._slot_buf(slot_mapping.dtype, total)
-            cuda = slot_mapping.is_cuda
-            buf.copy_(slot_mapping[:total], non_blocking=cuda)
-            event = None
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
+            event = _copy_back(buf, slot_mapping[:total])
             self._pending_guard = (buf, event, ids, counts, total)
             return
         self._check_writes(slot_mapping, ids, counts, total)
