@@ -157,6 +157,49 @@ def test_different_tokens_forced_to_the_same_hash(rt, kcu, monkeypatch):
     assert fields_of(rt) == {("tokens",)}
 
 
+def test_a_producer_cached_over_several_calls(rt, kcu, monkeypatch, native):
+    """A producer whose blocks are registered over two ``cache_full_blocks``
+    calls (prompt, then decode): from its second call on, with the C paths
+    on, the native hook makes the producer records itself (the Python
+    observer runs once, for the request's first registration, which makes
+    its chain).  A consumer served all three blocks through a bad key must
+    be told about each, with the same fields either way."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvsan import hooks
+    from kvsan.hooks import vllm_identity
+
+    original = kcu.hash_block_tokens
+    monkeypatch.setattr(kcu, "hash_block_tokens",
+                        lambda fn, parent, tokens, extra=None: original(fn, parent, (), extra))
+    hook = hooks.native_hook(BlockPool.__dict__["cache_full_blocks"])
+    calls = []
+    if hook is not None:
+        observer = hook.observer
+        assert observer is vllm_identity._cached
+
+        def counted(*args):
+            calls.append(args[2].request_id)
+            return observer(*args)
+        monkeypatch.setattr(hook, "observer", counted)
+    m = make_manager(24)
+    a = request("A", TOKENS[:2 * BLOCK + 3])
+    serve(m, a)
+    for t in TOKENS[2 * BLOCK + 3:3 * BLOCK + 3]:  # decode fills a third block
+        a.append_output_token_ids(t)
+    assert m.allocate_slots(a, BLOCK) is not None
+    a.num_computed_tokens = a.num_tokens
+    assert len([b for b in m.get_block_ids("A")[0] if m.block_pool.blocks[b].block_hash]) == 3
+    if hook is not None:
+        assert calls == (["A"] if native else ["A", "A"])
+    hit = serve(m, request("B", [t + 1000 for t in TOKENS]))
+    assert hit == 3 * BLOCK
+    bad = mismatches(rt)
+    assert [v.blocks for v in bad] == [[b] for b in m.get_block_ids("A")[0][:3]]
+    assert fields_of(rt) == {("tokens",)} and all(v.owners == ["A", "B"] for v in bad)
+    assert [v.details[0]["index"] for v in bad] == [0, 1, 2]
+
+
 def test_correct_keys_are_silent(rt):
     m = make_manager(32)
     reqs = [request("A", lora_request=lora("sql", 1)), request("B", lora_request=lora("chat", 2)),

@@ -32,7 +32,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 1
+#define KVSAN_HOOKFAST_ABI 2
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_N = 4 };
 
@@ -51,7 +51,7 @@ static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
 static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
-    *s_num_full, *zero;
+    *s_num_full, *s_request_id, *zero;
 
 typedef struct {
     PyObject_HEAD
@@ -61,6 +61,8 @@ typedef struct {
     PyObject *post;     /* the Python hook's second half */
     PyObject *where;    /* str: the guard's name for kvsan's own failures */
     PyObject *observer; /* K_CACHE: a further hook's second half, or None */
+    PyObject *identity; /* K_CACHE: the observer's clean route in C, or None (see
+                         * identity_observe) */
     PyObject *dict;     /* __dict__ (__wrapped__, __name__, __kvsan_patched__) */
     vectorcallfunc vectorcall;
     unsigned long long calls; /* calls that took the native route */
@@ -260,9 +262,66 @@ arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos,
 
 /* the observer of a cache hook after vLLM's method ran (``rt``: the running
  * kvsan, borrowed); NULL with an exception when it raised */
+/* The identity audit's producer record for a known text-only request, as
+ * its Python observer makes it (kvsan.hooks.vllm_identity._cached) without
+ * a Python frame.  ``h->identity`` is set by that observer once it handled
+ * a call: (weak ref to the runtime, weak ref to the pool, producers dict,
+ * chains dict, hash block size, [weights digest], known_chain,
+ * identity_record), the last two being kvsan's own C functions.  1: done;
+ * 0: not taken (another runtime or pool, a request without a chain yet,
+ * multimodal input, a failure of its own): the Python observer runs, and
+ * does the same or decides (identity_record is idempotent). */
+static int
+identity_observe(Hook *h, PyObject *rt, PyObject *const *argv)
+{
+    PyObject *st = h->identity;
+    if (!enabled || st == Py_None || !PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 8
+        || !PyWeakref_Check(PyTuple_GET_ITEM(st, 0)) || !PyWeakref_Check(PyTuple_GET_ITEM(st, 1))
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != argv[1]
+        || !PyList_CheckExact(argv[3]) || !PyLong_CheckExact(argv[4])
+        || !PyLong_CheckExact(argv[5]) || !PyList_CheckExact(PyTuple_GET_ITEM(st, 5))
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 5)) != 1) {
+        return 0;
+    }
+    double t0 = now();
+    PyObject *request = argv[2];
+    PyObject *kargv[4] = {PyTuple_GET_ITEM(st, 3), request, PyTuple_GET_ITEM(st, 4), argv[5]};
+    PyObject *ident = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 6), kargv, 4, NULL);
+    if (ident == NULL || ident == Py_None) {
+        Py_XDECREF(ident);
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *rid = PyObject_GetAttr(request, s_request_id);
+    if (rid == NULL) {
+        Py_DECREF(ident);
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *rargv[7] = {PyTuple_GET_ITEM(st, 2), rid, ident,
+                          PyList_GET_ITEM(PyTuple_GET_ITEM(st, 5), 0), argv[3], argv[4],
+                          argv[5]};
+    PyObject *r = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 7), rargv, 7, NULL);
+    Py_DECREF(rid);
+    Py_DECREF(ident);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_DECREF(r);
+    if (add_overhead(rt, now() - t0) < 0) {
+        PyErr_Clear();
+    }
+    return 1;
+}
+
 static PyObject *
 observe(Hook *h, PyObject *rt, PyObject *ret, PyObject *const *argv)
 {
+    if (identity_observe(h, rt, argv)) {
+        return ret;
+    }
     PyObject *r = PyObject_Vectorcall(h->observer, argv, 6, NULL);
     if (r == NULL) {
         Py_DECREF(ret);
@@ -554,6 +613,7 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     h->post = Py_NewRef(post);
     h->where = Py_NewRef(where);
     h->observer = Py_NewRef(Py_None);
+    h->identity = Py_NewRef(Py_None);
     h->vectorcall = hook_vectorcall;
     return (PyObject *)h;
 }
@@ -565,6 +625,7 @@ hook_traverse(Hook *h, visitproc visit, void *arg)
     Py_VISIT(h->slow);
     Py_VISIT(h->post);
     Py_VISIT(h->observer);
+    Py_VISIT(h->identity);
     Py_VISIT(h->dict);
     return 0;
 }
@@ -576,6 +637,7 @@ hook_clear(Hook *h)
     Py_CLEAR(h->slow);
     Py_CLEAR(h->post);
     Py_CLEAR(h->observer);
+    Py_CLEAR(h->identity);
     Py_CLEAR(h->dict);
     return 0;
 }
@@ -619,6 +681,26 @@ hook_set_observer(Hook *h, PyObject *value, void *closure)
 }
 
 static PyObject *
+hook_get_identity(Hook *h, void *closure)
+{
+    return Py_NewRef(h->identity);
+}
+
+static int
+hook_set_identity(Hook *h, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        value = Py_None;
+    }
+    if (value != Py_None && !(PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 8)) {
+        PyErr_SetString(PyExc_TypeError, "identity: a tuple of 8 or None");
+        return -1;
+    }
+    Py_XSETREF(h->identity, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
 hook_get_calls(Hook *h, void *closure)
 {
     return PyLong_FromUnsignedLongLong(h->calls);
@@ -637,6 +719,11 @@ static PyGetSetDef hook_getset[] = {
     {"observer", (getter)hook_get_observer, (setter)hook_set_observer,
      "K_CACHE: observer(rt, pool, request, blocks, num_cached, num_full), called after "
      "the allocator's part (another adapter's hook on the same method), or None",
+     NULL},
+    {"identity", (getter)hook_get_identity, (setter)hook_set_identity,
+     "K_CACHE: (weak ref to the runtime, weak ref to the pool, producers, chains, hash block "
+     "size, [weights digest], known_chain, identity_record): the observer's clean route in "
+     "C, or None",
      NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
@@ -738,6 +825,7 @@ PyInit__hookfast(void)
     INTERN(s_blocks, "blocks");
     INTERN(s_num_cached, "num_cached_blocks");
     INTERN(s_num_full, "num_full_blocks");
+    INTERN(s_request_id, "request_id");
     if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
         return NULL;
     }

@@ -59,6 +59,9 @@ class AllocatorChecker:
         self.shadow.clock = step
         #: how recent requests ended: rid -> (reason, step), bounded (``kvsan owners``)
         self.recent_ends: dict[str, tuple[str, int]] = {}
+        #: the request whose final release was checked last (an adapter that
+        #: sees one request end through two nested hooks checks it once)
+        self.last_released: str | None = None
         #: an engine adapter's fast path for clean events, or None.  It
         #: applies an event to the table only after checking that this
         #: checker would find nothing wrong with it, and does the event's
@@ -313,6 +316,7 @@ class AllocatorChecker:
         self.pending_release.pop(rid, None)
         if final:
             self._note_end(rid, reason)
+            self.last_released = rid
         if not final:
             self.counters["preempted"] += 1
         sh = self.shadow

@@ -74,7 +74,7 @@ _checker = _hooks.pool_checker
 # ---------------------------------------------------------------- BlockPool
 def _pool_init(wrapped, instance, args, kwargs):
     wrapped(*args, **kwargs)
-    rt = _rt.get()
+    rt = _rt._runtime
     # only the device pool the scheduler allocates from; host/offload pools
     # are managed by connectors with their own lifetimes
     if rt is None or getattr(instance, "medium", "GPU") != "GPU":
@@ -341,7 +341,7 @@ def _owner_scoped(spec: tuple[str, str | None], tag: str):
     name, attr = spec
 
     def wrapper(wrapped, instance, args, kwargs):
-        rt = _rt.get()
+        rt = _rt._runtime
         if rt is None:
             return wrapped(*args, **kwargs)
         value = args[0] if args else kwargs.get(name)
@@ -355,26 +355,28 @@ def _owner_scoped(spec: tuple[str, str | None], tag: str):
 
 
 def _manager_free(wrapped, instance, args, kwargs):
-    rt = _rt.get()
+    rt = _rt._runtime
     if rt is None:
         return wrapped(*args, **kwargs)
     rid = args[0] if args else kwargs["request_id"]
-    rt.owner_ctx.append((rid, "free"))
+    ctx = rt.owner_ctx
+    ctx.append((rid, "free"))
     try:
         ret = wrapped(*args, **kwargs)
     finally:
-        rt.owner_ctx.pop()
-    ck = rt.checkers.get(instance.block_pool)
+        ctx.pop()
     left = instance.req_to_blocks.get(rid)
-    if ck is not None and left:
-        _guard(rt, "free", ck.table_still_references, rid,
-               [b.block_id for b in left if not b.is_null], _site())
+    if left:  # the usual free leaves nothing: the checker is looked up only if not
+        ck = rt.checkers.get(instance.block_pool)
+        if ck is not None:
+            _guard(rt, "free", ck.table_still_references, rid,
+                   [b.block_id for b in left if not b.is_null], call_site(1))
     return ret
 
 
 def _pop_blocks_for_free(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
+    rt = _rt._runtime
     if rt is None:
         return ret
     rid = args[0] if args else kwargs["request_id"]
@@ -390,7 +392,7 @@ def _pop_blocks_for_free(wrapped, instance, args, kwargs):
 
 def _apply_cow(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
+    rt = _rt._runtime
     ck = rt.checkers.get(instance.block_pool) if rt is not None else None
     if ck is not None:
         vals = bind_args(args, kwargs, ("request_id", "block_idx", "source_block", "cow_block"))
@@ -421,7 +423,7 @@ def _mamba_allocate_new_blocks(wrapped, instance, args, kwargs):
     after = getattr(instance, "_pending_cow_copies", None)
     if not isinstance(after, list) or after is not pending or len(after) <= n0:
         return ret  # no new copy (or a manager without the queue)
-    rt = _rt.get()
+    rt = _rt._runtime
     ck = rt.checkers.get(instance.block_pool) if rt is not None else None
     if ck is not None:
         site = _site()
@@ -440,10 +442,15 @@ def _mamba_allocate_new_blocks(wrapped, instance, args, kwargs):
 
 # ---------------------------------------------------------------- Scheduler
 def _scheduler_checker(rt, sched):
+    """The checker of ``sched``'s pool under ``rt`` (through the pool
+    checker's one-entry cache: ``rt.checkers`` is a WeakKeyDictionary, whose
+    lookup is a Python-level call, and this runs once per request end)."""
     try:
-        return rt.checkers.get(sched.kv_cache_manager.block_pool)
+        pool = sched.kv_cache_manager.block_pool
     except AttributeError:
         return None
+    live, ck = _checker(pool)
+    return ck if live is rt else rt.checkers.get(pool)
 
 
 def pool_view(blocks):
@@ -484,7 +491,7 @@ METRICS_PERIOD_S = 0.25
 
 
 def _schedule(wrapped, instance, args, kwargs):
-    rt = _rt.get()
+    rt = _rt._runtime
     if rt is None:
         return wrapped(*args, **kwargs)
     rt.step += 1
@@ -513,7 +520,7 @@ def _schedule(wrapped, instance, args, kwargs):
 
 def _update_from_output(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
+    rt = _rt._runtime
     if rt is None:
         return ret
     idle = not instance.requests
@@ -540,15 +547,16 @@ def _status(request) -> str:
 
 def _free_request(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
+    rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
     if ck is not None:
         request = args[0] if args else kwargs["request"]
         rid = request.request_id
         if rid in instance.requests:
             _guard(rt, "_free_request", ck.on_request_pending_release, rid)
-        else:
-            _guard(rt, "_free_request", ck.on_request_released, rid, _status(request), _site())
+        elif ck.last_released != rid:  # else the _free_blocks hook inside checked it
+            _guard(rt, "_free_request", ck.on_request_released, rid, _status(request),
+                   call_site(1))
     return ret
 
 
@@ -558,12 +566,12 @@ def _release_path(final: bool, reason: str | None = None):
 
     def wrapper(wrapped, instance, args, kwargs):
         ret = wrapped(*args, **kwargs)
-        rt = _rt.get()
+        rt = _rt._runtime
         ck = _scheduler_checker(rt, instance) if rt is not None else None
         if ck is not None:
             request = args[0] if args else kwargs["request"]
             _guard(rt, wrapped.__name__, ck.on_request_released, request.request_id,
-                   reason or _status(request), _site(), final)
+                   reason or _status(request), call_site(1), final)
         return ret
 
     return wrapper
@@ -571,7 +579,7 @@ def _release_path(final: bool, reason: str | None = None):
 
 def _finish_requests(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
+    rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
     if ck is not None and ret:
         site = _site()

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import sys
 import weakref
+from time import perf_counter as _perf_counter
 
 from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks import identity as _identity
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
-from . import Target, bind_args, instrument, request_on_stack, uninstrument
-from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS, _guard
+from . import Target, bind_args, guard_failed, instrument, request_on_stack, uninstrument
+from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS
 
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
 _lora_epochs: dict[str, int] = {}
@@ -49,19 +50,25 @@ WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load
 
 def bump_weights_epoch() -> int:
     _state["weights_epoch"] += 1
+    _refresh_weights()
     return _state["weights_epoch"]
 
 
+#: the digest of the weights identity (model, epoch), part of every block's
+#: fields: recomputed when either changes (:func:`_refresh_weights`), read
+#: as ``_WEIGHTS[0]`` on the hot paths
+_WEIGHTS: list = [b""]
+
+
+def _refresh_weights() -> None:
+    _WEIGHTS[0] = digest("weights", text(_state["model"]), text(_state["weights_epoch"]))
+
+
 def _weights() -> bytes:
-    """Digest of the weights identity (model, epoch), recomputed only when
-    either changes (it is part of every block's fields)."""
-    key = (_state["model"], _state["weights_epoch"])
-    if _weights_memo[0] != key:
-        _weights_memo[:] = [key, digest("weights", text(key[0]), text(key[1]))]
-    return _weights_memo[1]
+    return _WEIGHTS[0]
 
 
-_weights_memo: list = [None, b""]
+_refresh_weights()
 
 
 #: pool -> the ``requests`` dict (request id -> Request) of the scheduler
@@ -86,16 +93,6 @@ def _audit(rt, pool) -> IdentityAudit | None:
         a = _audits[pool] = IdentityAudit(rt.reporter.emit, rt.get_step)
     _LAST[:] = [rt, weakref.ref(pool), a, _requests_of.get(pool)]
     return a
-
-
-def _request(rid: str, caller):
-    """The engine's Request ``rid``: from its scheduler's table when kvsan
-    saw the scheduler being built, else from the calling stack."""
-    reqs = _LAST[3]
-    request = reqs.get(rid) if reqs is not None else None
-    if request is None:
-        request = request_on_stack(caller, rid)
-    return request
 
 
 #: (lora, cache_salt, dtype) -> their digests: most requests share them, so
@@ -183,54 +180,89 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
 
 
 def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
-    """After ``cache_full_blocks``: the producer identity of what it
-    registered (the hook's second half; the native allocator hook on the same
-    method calls it as its observer)."""
-    audit = _audit(rt, pool)
-    if audit is not None:
-        _guard(rt, "identity.cache", _record_cached, audit, pool, request, blocks, lo, hi)
+    """After ``cache_full_blocks``: the producer identity of blocks
+    ``[lo, hi)`` it registered for ``request`` (the hook's second half; the
+    native allocator hook on the same method calls it as its observer).
 
-
-def _record_cached(audit, pool, request, blocks, lo: int, hi: int) -> None:
-    """The producer identity of blocks ``[lo, hi)`` a ``cache_full_blocks``
-    call registered for ``request``."""
+    One Python frame for the usual call (a known text-only request: its chain
+    is extended and the records are written in C); guarded as ``_guard``
+    does, inline, since this runs for every cache registration."""
+    last = _LAST
+    if rt is None or not (last[0] is rt and last[1]() is pool) and _audit(rt, pool) is None:
+        return
     if lo >= hi:
         return
-    ident = _chain(request, pool.hash_block_size, hi)
-    fast = _hooks.SHADOWFAST
-    if fast is not None and type(blocks) is list:  # the same records, read in C
-        fast.identity_record(audit.producers, request.request_id, ident, _weights(),
-                             blocks, lo, hi)
-        return
-    audit.on_cached(request.request_id, ident, _weights(),
-                    [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks[lo:hi], lo)
-                     if not b.is_null and b.block_hash is not None])
+    t0 = _perf_counter()
+    try:
+        audit = last[2]
+        known = _identity.known_chain
+        ident = known(_chains, request, pool.hash_block_size, hi) if known is not None else None
+        if ident is None:
+            ident = _chain(request, pool.hash_block_size, hi)
+        fast = _hooks.SHADOWFAST
+        if fast is not None and type(blocks) is list:  # the same records, read in C
+            fast.identity_record(audit.producers, request.request_id, ident, _WEIGHTS[0],
+                                 blocks, lo, hi)
+            hook = _NATIVE_OBSERVED[0]
+            if known is not None and hook is not None:
+                # from now on the native hook makes these records itself for
+                # a request whose chain is known (kvsan._hookfast's identity_observe)
+                hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.producers, _chains,
+                                 pool.hash_block_size, _WEIGHTS, known, fast.identity_record)
+        else:
+            audit.on_cached(request.request_id, ident, _WEIGHTS[0],
+                            [(i, b.block_id, b.block_hash)
+                             for i, b in enumerate(blocks[lo:hi], lo)
+                             if not b.is_null and b.block_hash is not None])
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        guard_failed(rt, "identity.cache", e)  # a violation (raise / abort modes) propagates
+    finally:
+        rt.overhead_s += _perf_counter() - t0
 
 
 def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
-    rt = _rt.get()
-    audit = _audit(rt, instance.block_pool) if rt is not None else None
-    if audit is not None:
-        _guard(rt, "identity.hit", _check_hits, audit, instance, args, kwargs,
-               sys._getframe(1))
+    """Before a request is handed its prefix hits: their producers'
+    identities against the request's own (one Python frame for the usual
+    call, guarded inline as ``_guard`` does)."""
+    rt = _rt._runtime
+    if rt is not None:
+        pool = instance.block_pool
+        last = _LAST
+        if last[0] is rt and last[1]() is pool or _audit(rt, pool) is not None:
+            t0 = _perf_counter()
+            try:
+                _check_hits(last[2], pool, args, kwargs, sys._getframe(1))
+            except Exception as e:  # noqa: BLE001 - report first, never mask
+                guard_failed(rt, "identity.hit", e)  # a violation propagates (raise / abort)
+            finally:
+                rt.overhead_s += _perf_counter() - t0
     return wrapped(*args, **kwargs)
 
 
-def _check_hits(audit, coordinator, args, kwargs, caller) -> None:
+def _check_hits(audit, pool, args, kwargs, caller) -> None:
     """The consumer identity of a request's prefix hits against each block's
     producer (``caller``: the frame that made the call, where the Request is
     looked for when the scheduler's table does not have it)."""
-    v = bind_args(args, kwargs, ("request_id", "new_computed_blocks"))
-    hits = v.get("new_computed_blocks")
+    if args:
+        v = bind_args(args, kwargs, ("request_id", "new_computed_blocks"))
+        rid, hits = v["request_id"], v.get("new_computed_blocks")
+    else:
+        rid, hits = kwargs["request_id"], kwargs.get("new_computed_blocks")
     blocks = hits[0] if hits else ()
     if not blocks:
         return
-    rid = v["request_id"]
-    request = _request(rid, caller)
+    reqs = _LAST[3]
+    request = reqs.get(rid) if reqs is not None else None
     if request is None:
-        raise LookupError(f"no Request {rid!r} on the calling stack")
-    ident = _chain(request, coordinator.block_pool.hash_block_size, len(blocks))
-    weights = _weights()
+        request = request_on_stack(caller, rid)
+        if request is None:
+            raise LookupError(f"no Request {rid!r} on the calling stack")
+    bs = pool.hash_block_size
+    known = _identity.known_chain
+    ident = known(_chains, request, bs, len(blocks)) if known is not None else None
+    if ident is None:
+        ident = _chain(request, bs, len(blocks))
+    weights = _WEIGHTS[0]
     fast = _hooks.SHADOWFAST
     got = (fast.identity_hits(audit.producers, ident, weights, blocks)
            if fast is not None and type(blocks) is list else None)
@@ -241,8 +273,8 @@ def _check_hits(audit, coordinator, args, kwargs, caller) -> None:
         return
     compared, mismatches = got  # compared in C; each mismatch reported as on_hits does
     audit.checked += compared
-    for i, block, key, known in mismatches:
-        audit.mismatch(block, key, rid, ident, i, weights, known)
+    for i, block, key, known_ in mismatches:
+        audit.mismatch(block, key, rid, ident, i, weights, known_)
 
 
 def _collective_rpc(wrapped, instance, args, kwargs):
@@ -268,6 +300,7 @@ def _scheduler_init(wrapped, instance, args, kwargs):
     try:
         _state["model"] = instance.vllm_config.model_config.model
         _state["dtype"] = instance.cache_config.cache_dtype
+        _refresh_weights()
         _requests_of[instance.kv_cache_manager.block_pool] = instance.requests
         _LAST[0] = None  # a new scheduler: look the pool up again
     except (AttributeError, TypeError):
@@ -303,6 +336,10 @@ def _native_cache_hook():
     return _hooks.native_hook(cls.__dict__.get(_CACHE_HOOK[2]))
 
 
+#: the allocator's native hook this audit observes (set by :func:`install`)
+_NATIVE_OBSERVED: list = [None]
+
+
 def install() -> list[str]:
     """Patch the identity audit's targets (through kvsan's trampolines: on
     ``cache_full_blocks`` it is a second hook on top of the allocator's, or
@@ -311,6 +348,7 @@ def install() -> list[str]:
     hook = _native_cache_hook()
     if hook is not None and hook.observer in (None, _cached):
         hook.observer = _cached
+        _NATIVE_OBSERVED[0] = hook
         rest = [t for t in ts if t.qualname != ".".join(_CACHE_HOOK[1:])]
         installed, _ = instrument(rest)
         installed += [t.name for t in ts if t not in rest]
@@ -323,4 +361,6 @@ def uninstall() -> None:
     hook = _native_cache_hook()
     if hook is not None and hook.observer is _cached:
         hook.observer = None
+        hook.identity = None
+    _NATIVE_OBSERVED[0] = None
     uninstrument(targets())
