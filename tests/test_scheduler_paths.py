@@ -102,3 +102,56 @@ def test_fenced_free_drained_twice(rt):
     pool = sched.kv_cache_manager.block_pool
     prefix_blocks = {b for x in v for b in x.blocks}
     assert prefix_blocks and all(pool.blocks[b].block_hash is not None for b in prefix_blocks)
+
+
+def _connector_delayed(sched, leak=None):
+    """Four requests whose finish is delayed by a (stand-in) KV connector
+    still sending their blocks: ``_free_request`` keeps them, and the step
+    after they finish reports them as sent, which frees them
+    (``_update_from_kv_xfer_finished``).  ``leak``: a request whose late
+    free vLLM forgets to return to the pool."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    sched._connector_finished = lambda request: (True, None)  # delay every free
+    if leak is not None:
+        free = sched.kv_cache_manager.free
+        sched.kv_cache_manager.free = lambda r: None if r.request_id == leak else free(r)
+    for i in range(4):
+        sched.add_request(request(f"D{i}", [700 + i] * 5))
+    delayed, sent = set(), []
+    for _ in range(16):
+        out = sched.schedule()
+        mro = model_output(sched, out)
+        if sent:
+            mro.kv_connector_output = KVConnectorOutput(finished_sending=set(sent))
+        held = {r for r in sched.requests if sched.requests[r].is_finished()}
+        sched.update_from_output(out, mro)
+        sent = [r for r in sched.requests if sched.requests[r].is_finished() and r not in held]
+        delayed.update(sent)
+    return delayed
+
+
+def test_connector_delayed_frees_are_legal(rt):
+    """A free the connector delays is no leak while it is pending, and the
+    late free (with no hook of its own) is checked when it happens."""
+    sched = scheduler()
+    sched.defer_block_free = False
+    assert _connector_delayed(sched) == {"D0", "D1", "D2", "D3"}
+    assert not sched.requests  # every late free ran
+    ck = next(iter(rt.checkers.values()))
+    assert kinds_of(rt) == [] and not ck.pending_release
+    assert {r: ck.recent_ends[r][0] for r in ("D0", "D3")} == {
+        "D0": "finished_length_capped", "D3": "finished_length_capped"}
+
+
+def test_connector_delayed_free_that_leaks(rt):
+    """The late free of D2 drops nothing: reported as a leak of D2's blocks
+    in the step the engine forgot them, not after the grace period."""
+    sched = scheduler()
+    sched.defer_block_free = False
+    _connector_delayed(sched, leak="D2")
+    v = only(rt, "leaked_blocks")
+    assert [x.owners for x in v] == [["D2"]] and v[0].actor == "D2"
+    assert v[0].site == "scheduler.py:update_from_output (delayed free)"
+    table = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["D2"]
+    assert table and sorted(v[0].blocks) == sorted(b.block_id for b in table)

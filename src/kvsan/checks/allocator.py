@@ -59,9 +59,8 @@ class AllocatorChecker:
         self.shadow.clock = step
         #: how recent requests ended: rid -> (reason, step), bounded (``kvsan owners``)
         self.recent_ends: dict[str, tuple[str, int]] = {}
-        #: the request whose final release was checked last (an adapter that
-        #: sees one request end through two nested hooks checks it once)
-        self.last_released: str | None = None
+        #: the status a delayed-free request finished with: rid -> reason
+        self.pending_reasons: dict[str, str] = {}
         #: an engine adapter's fast path for clean events, or None.  It
         #: applies an event to the table only after checking that this
         #: checker would find nothing wrong with it, and does the event's
@@ -313,10 +312,11 @@ class AllocatorChecker:
         """``rid``'s release path has run (finish, abort, preemption): it must
         hold nothing.  ``final`` marks a request that will never come back
         (not a preemption), so what it still holds is leaked for good."""
-        self.pending_release.pop(rid, None)
+        if self.pending_release:
+            self.pending_release.pop(rid, None)
+            self.pending_reasons.pop(rid, None)
         if final:
             self._note_end(rid, reason)
-            self.last_released = rid
         if not final:
             self.counters["preempted"] += 1
         sh = self.shadow
@@ -341,9 +341,21 @@ class AllocatorChecker:
         if len(ends) > self.RECENT_ENDS:
             del ends[next(iter(ends))]
 
-    def on_request_pending_release(self, rid: str) -> None:
-        """``rid`` finished but the engine legally delays its free."""
+    def on_request_pending_release(self, rid: str, reason: str | None = None) -> None:
+        """``rid`` finished (``reason``) but the engine legally delays its free."""
         self.pending_release.setdefault(rid, self.step())
+        if reason is not None:
+            self.pending_reasons[rid] = reason
+
+    def drain_pending(self, still_tracked, site: str) -> None:
+        """The delayed frees the engine has completed since: each request of
+        :attr:`pending_release` no longer in ``still_tracked`` (the requests
+        the engine still holds state for) has run its release path and must
+        hold nothing.  An adapter calls it once per step, so the engine's
+        late free needs no hook of its own."""
+        done = [rid for rid in self.pending_release if rid not in still_tracked]
+        for rid in done:
+            self.on_request_released(rid, self.pending_reasons.get(rid, "finished"), site)
 
     def sweep(self, grace_steps: int, site: str = "kvsan.sweep") -> None:
         """Delayed frees that outlived their grace period are leaks."""

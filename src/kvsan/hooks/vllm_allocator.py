@@ -523,6 +523,10 @@ def _update_from_output(wrapped, instance, args, kwargs):
     rt = _rt._runtime
     if rt is None:
         return ret
+    ck = _scheduler_checker(rt, instance)
+    if ck is not None and ck.pending_release:  # delayed frees the engine completed
+        _guard(rt, "pending_release", ck.drain_pending, instance.requests,
+               "scheduler.py:update_from_output (delayed free)")
     idle = not instance.requests
     if idle and not rt.idle_audited:
         rt.idle_audited = True
@@ -546,6 +550,9 @@ def _status(request) -> str:
 
 
 def _free_request(wrapped, instance, args, kwargs):
+    """After a finished request's release: it must hold nothing, unless the
+    engine delays its free (it then still tracks the request; the free that
+    follows is checked by :func:`_update_from_output`)."""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
@@ -553,8 +560,8 @@ def _free_request(wrapped, instance, args, kwargs):
         request = args[0] if args else kwargs["request"]
         rid = request.request_id
         if rid in instance.requests:
-            _guard(rt, "_free_request", ck.on_request_pending_release, rid)
-        elif ck.last_released != rid:  # else the _free_blocks hook inside checked it
+            _guard(rt, "_free_request", ck.on_request_pending_release, rid, _status(request))
+        else:
             _guard(rt, "_free_request", ck.on_request_released, rid, _status(request),
                    call_site(1))
     return ret
@@ -629,7 +636,6 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),
-        Target(_SCHED, "Scheduler._free_blocks", _release_path(final=True)),
         Target(_SCHED, "Scheduler._preempt_request", _release_path(False, "preempted")),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests),
     ]
