@@ -138,7 +138,7 @@ def test_connector_delayed_frees_are_legal(rt):
     sched.defer_block_free = False
     assert _connector_delayed(sched) == {"D0", "D1", "D2", "D3"}
     assert not sched.requests  # every late free ran
-    ck = next(iter(rt.checkers.values()))
+    ck = rt.checkers[sched.kv_cache_manager.block_pool]
     assert kinds_of(rt) == [] and not ck.pending_release
     assert {r: ck.recent_ends[r][0] for r in ("D0", "D3")} == {
         "D0": "finished_length_capped", "D3": "finished_length_capped"}
@@ -155,3 +155,34 @@ def test_connector_delayed_free_that_leaks(rt):
     assert v[0].site == "scheduler.py:update_from_output (delayed free)"
     table = sched.kv_cache_manager.coordinator.single_type_managers[0].req_to_blocks["D2"]
     assert table and sorted(v[0].blocks) == sorted(b.block_id for b in table)
+
+
+def test_free_that_keeps_the_block_table(rt):
+    """A manager's free returns an aborted request's blocks to the pool but
+    keeps its block table (which a resume would hand back to it): reported
+    after the request's release path, naming the request and each block."""
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler()
+    sched.defer_block_free = False
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    pop = manager.pop_blocks_for_free
+
+    def keeps_table(request_id):
+        if request_id != "S1":
+            return pop(request_id)
+        manager.num_cached_block.pop(request_id, None)
+        return list(manager.req_to_blocks[request_id])  # not popped
+
+    manager.pop_blocks_for_free = keeps_table
+    for i in range(2):
+        sched.add_request(request(f"S{i}", [800 + i] * 5))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, model_output(sched, out))
+    kept = [b.block_id for b in manager.req_to_blocks["S1"]]
+    assert kinds_of(rt) == [] and kept
+    sched.finish_requests(["S1"], RequestStatus.FINISHED_ABORTED)
+    v = only(rt, "free_with_live_owners")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["S1"], sorted(kept))]
+    assert "S1" in v[0].message and "block table" in v[0].message

@@ -354,37 +354,36 @@ def _owner_scoped(spec: tuple[str, str | None], tag: str):
     return wrapper
 
 
-def _manager_free(wrapped, instance, args, kwargs):
-    rt = _rt._runtime
-    if rt is None:
-        return wrapped(*args, **kwargs)
-    rid = args[0] if args else kwargs["request_id"]
-    ctx = rt.owner_ctx
-    ctx.append((rid, "free"))
+def _stale_tables(rt, ck, sched, rid: str, site: str) -> None:
+    """After ``rid``'s release path (finish, abort, preemption): no
+    manager's block table may still list blocks for it (a free that returned
+    the blocks to the pool but kept the table would hand them back to the
+    request on resume).  A dict lookup per manager when clean."""
     try:
-        ret = wrapped(*args, **kwargs)
-    finally:
-        ctx.pop()
-    left = instance.req_to_blocks.get(rid)
-    if left:  # the usual free leaves nothing: the checker is looked up only if not
-        ck = rt.checkers.get(instance.block_pool)
-        if ck is not None:
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+    except AttributeError:
+        return
+    for m in managers:
+        left = m.req_to_blocks.get(rid)
+        if left:
             _guard(rt, "free", ck.table_still_references, rid,
-                   [b.block_id for b in left if not b.is_null], call_site(1))
-    return ret
+                   [b.block_id for b in left if not b.is_null], site)
 
 
 def _pop_blocks_for_free(wrapped, instance, args, kwargs):
+    """A fenced (deferred) free (``KVCacheManager.pop_blocks_for_free``, which
+    only the scheduler calls, for that): the request's blocks leave its
+    table but stay referenced until the scheduler drains them, so they pass
+    to ``deferred:<req>``.  (The managers' own ``pop_blocks_for_free``, which
+    every plain free calls, is not hooked.)"""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    if rt is None:
+    if rt is None or not ret:
         return ret
-    rid = args[0] if args else kwargs["request_id"]
-    if rt.owner_ctx and rt.owner_ctx[-1] == (rid, "free"):
-        return ret  # popped to be freed right away by free()
+    request = args[0] if args else kwargs["request"]
+    rid = request.request_id
     ck = rt.checkers.get(instance.block_pool)
-    if ck is not None and ret:
-        # a fenced (deferred) free: the blocks stay referenced until drained
+    if ck is not None:
         _guard(rt, "pop_blocks_for_free", ck.on_transfer,
                [b.block_id for b in ret if not b.is_null], rid, f"deferred:{rid}", _site())
     return ret
@@ -562,8 +561,9 @@ def _free_request(wrapped, instance, args, kwargs):
         if rid in instance.requests:
             _guard(rt, "_free_request", ck.on_request_pending_release, rid, _status(request))
         else:
-            _guard(rt, "_free_request", ck.on_request_released, rid, _status(request),
-                   call_site(1))
+            site = call_site(1)
+            _guard(rt, "_free_request", ck.on_request_released, rid, _status(request), site)
+            _stale_tables(rt, ck, instance, rid, site)
     return ret
 
 
@@ -577,8 +577,10 @@ def _release_path(final: bool, reason: str | None = None):
         ck = _scheduler_checker(rt, instance) if rt is not None else None
         if ck is not None:
             request = args[0] if args else kwargs["request"]
+            site = call_site(1)
             _guard(rt, wrapped.__name__, ck.on_request_released, request.request_id,
-                   reason or _status(request), call_site(1), final)
+                   reason or _status(request), site, final)
+            _stale_tables(rt, ck, instance, request.request_id, site)
         return ret
 
     return wrapper
@@ -626,13 +628,14 @@ def targets() -> list[Target]:
                _owner_scoped(_RID, "alloc"), True, owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
                _owner_scoped(_RID, "alloc"), True, owner=_RID),
-        Target(_STM, "SingleTypeKVCacheManager.free", _manager_free, True),
-        Target(_STM, "SingleTypeKVCacheManager.pop_blocks_for_free", _pop_blocks_for_free, True),
+        Target(_STM, "SingleTypeKVCacheManager.free", _owner_scoped(_RID, "free"), True,
+               owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
         Target(_STM, "MambaManager.allocate_new_blocks", _mamba_allocate_new_blocks),
         Target(_KVM, "KVCacheManager.allocate_slots", _owner_scoped(_REQUEST, "alloc"),
                owner=_REQUEST),
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
+        Target(_KVM, "KVCacheManager.pop_blocks_for_free", _pop_blocks_for_free),
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),
