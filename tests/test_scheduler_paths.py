@@ -186,3 +186,54 @@ def test_free_that_keeps_the_block_table(rt):
     v = only(rt, "free_with_live_owners")
     assert [(x.owners, sorted(x.blocks)) for x in v] == [(["S1"], sorted(kept))]
     assert "S1" in v[0].message and "block table" in v[0].message
+
+
+def test_hit_checks_in_c_and_a_bad_key_still_reported(rt, monkeypatch):
+    """The identity audit's hit check on vLLM's real scheduler: once the
+    Python hook has handled a clean hit, the native hook takes the clean
+    ones itself (with the C paths on), starting new requests' chains in C;
+    a hit through a bad cache key (different tokens forced to one hash) is
+    still reported, naming the consumer and the producer of each block."""
+    import vllm.v1.core.kv_cache_utils as kcu
+    from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+
+    from kvsan import hooks
+
+    original = kcu.hash_block_tokens
+    monkeypatch.setattr(kcu, "hash_block_tokens",
+                        lambda fn, parent, tokens, extra=None: original(
+                            fn, parent, () if tokens and tokens[0] > 900 else tokens, extra))
+    hook = hooks.native_hook(KVCacheCoordinator.__dict__["allocate_new_computed_blocks"])
+    sched = scheduler()
+    sched.defer_block_free = False
+
+    def step():
+        out = sched.schedule()
+        sched.update_from_output(out, model_output(sched, out))
+
+    def bad_request(rid, first):  # tokens from 900 up: all hashed alike
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        from benchmarks.sched import _hasher
+
+        tokens = [first + i for i in range(3 * BLOCK)] + [60] * 3
+        return Request(request_id=rid, prompt_token_ids=tokens,
+                       sampling_params=SamplingParams(max_tokens=6, ignore_eos=True),
+                       pooling_params=None, block_hasher=_hasher())
+
+    sched.add_request(request("P", [30] * 3))  # the producer of PREFIX
+    sched.add_request(bad_request("Q", 901))  # and of a bad-key prefix
+    step()
+    calls = hook.calls if hook is not None else 0
+    for i in range(3):  # clean consumers of PREFIX
+        sched.add_request(request(f"C{i}", [40 + i] * 3))
+        step()
+    sched.add_request(bad_request("X", 902))  # other tokens, the same hashes as Q's
+    step()
+    if hook is not None:
+        assert hook.identity is not None and hook.calls - calls >= 2  # C took C1, C2
+    v = only(rt, "cache_key_mismatch")
+    assert {tuple(x.owners) for x in v} == {("Q", "X")} and all(x.actor == "X" for x in v)
+    assert all(x.details[0]["fields"] == ["tokens"] for x in v)
+    assert len(v) == 3

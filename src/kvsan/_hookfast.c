@@ -32,9 +32,9 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 2
+#define KVSAN_HOOKFAST_ABI 3
 
-enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_N = 4 };
+enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_N = 5 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -51,7 +51,7 @@ static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
 static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
-    *s_num_full, *s_request_id, *zero;
+    *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *zero;
 
 typedef struct {
     PyObject_HEAD
@@ -61,8 +61,8 @@ typedef struct {
     PyObject *post;     /* the Python hook's second half */
     PyObject *where;    /* str: the guard's name for kvsan's own failures */
     PyObject *observer; /* K_CACHE: a further hook's second half, or None */
-    PyObject *identity; /* K_CACHE: the observer's clean route in C, or None (see
-                         * identity_observe) */
+    PyObject *identity; /* K_CACHE / K_HITS: the identity audit's clean route in C,
+                         * or None (see identity_observe, hits_call) */
     PyObject *dict;     /* __dict__ (__wrapped__, __name__, __kvsan_patched__) */
     vectorcallfunc vectorcall;
     unsigned long long calls; /* calls that took the native route */
@@ -359,6 +359,104 @@ slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
 
 #define SLOW() slow_call(h, rt, args, nargsf, kwnames)
 
+/* K_HITS: ``KVCacheCoordinator.allocate_new_computed_blocks(request_id,
+ * new_computed_blocks, ...)``, before vLLM's method runs: the identity
+ * audit's hit check (kvsan.hooks.vllm_identity._check_hits) for a request
+ * whose chain is known or that known_chain can start, when nothing
+ * mismatches.  ``h->identity`` is set by the Python hook once it handled a
+ * call: (weak ref to the runtime, weak ref to the pool, producers, chains,
+ * hash block size, [weights digest], known_chain, identity_hits, make,
+ * the scheduler's requests dict, the audit).  Anything else -- another
+ * runtime or pool, a Request not in the scheduler's table, a chain the
+ * Python path must make, a mismatch to report, a failure of its own -- goes
+ * to the Python trampoline for the whole call (the check is pure until it
+ * reports, so running it there again changes nothing). */
+static PyObject *
+hits_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *st = h->identity;
+    if (st == Py_None || !PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 11
+        || !PyWeakref_Check(PyTuple_GET_ITEM(st, 0)) || !PyWeakref_Check(PyTuple_GET_ITEM(st, 1))
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
+        || !PyDict_CheckExact(PyTuple_GET_ITEM(st, 9))
+        || !PyList_CheckExact(PyTuple_GET_ITEM(st, 5))
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 5)) != 1) {
+        return SLOW();
+    }
+    PyObject *rid = arg(args, nargs, kwnames, 1, s_request_id);
+    PyObject *hits = arg(args, nargs, kwnames, 2, s_new_computed_blocks);
+    if (rid == NULL || hits == NULL || !PyTuple_Check(hits)) {
+        return SLOW();
+    }
+    PyObject *blocks = PyTuple_GET_SIZE(hits) ? PyTuple_GET_ITEM(hits, 0) : NULL;
+    if (blocks == NULL || (PyList_CheckExact(blocks) && PyList_GET_SIZE(blocks) == 0)) {
+        return PyObject_Vectorcall(h->original, args, nargsf, kwnames); /* nothing served */
+    }
+    if (!PyList_CheckExact(blocks)) {
+        return SLOW();
+    }
+    double t0 = now();
+    PyObject *pool = PyObject_GetAttr(args[0], s_block_pool);
+    if (pool == NULL) {
+        PyErr_Clear();
+        return SLOW();
+    }
+    int same = PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) == pool;
+    Py_DECREF(pool);
+    PyObject *request = same ? PyDict_GetItemWithError(PyTuple_GET_ITEM(st, 9), rid) : NULL;
+    if (request == NULL) {
+        PyErr_Clear();
+        return SLOW();
+    }
+    Py_INCREF(request);
+    PyObject *upto = PyLong_FromSsize_t(PyList_GET_SIZE(blocks));
+    PyObject *ident = NULL, *got = NULL;
+    if (upto == NULL) {
+        goto decline;
+    }
+    PyObject *kargv[5] = {PyTuple_GET_ITEM(st, 3), request, PyTuple_GET_ITEM(st, 4), upto,
+                          PyTuple_GET_ITEM(st, 8)};
+    ident = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 6), kargv, 5, NULL);
+    if (ident == NULL || ident == Py_None) {
+        goto decline;
+    }
+    PyObject *hargv[4] = {PyTuple_GET_ITEM(st, 2), ident,
+                          PyList_GET_ITEM(PyTuple_GET_ITEM(st, 5), 0), blocks};
+    got = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 7), hargv, 4, NULL);
+    if (got == NULL || !PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2
+        || !PyList_Check(PyTuple_GET_ITEM(got, 1)) || PyList_GET_SIZE(PyTuple_GET_ITEM(got, 1))) {
+        goto decline; /* not compared here, or mismatches to report: the Python hook */
+    }
+    PyObject *audit = PyTuple_GET_ITEM(st, 10);
+    PyObject *old = PyObject_GetAttr(audit, s_checked);
+    PyObject *sum = old == NULL ? NULL : PyNumber_Add(old, PyTuple_GET_ITEM(got, 0));
+    Py_XDECREF(old);
+    if (sum == NULL || PyObject_SetAttr(audit, s_checked, sum) < 0) {
+        Py_XDECREF(sum);
+        goto decline;
+    }
+    Py_DECREF(sum);
+    Py_DECREF(got);
+    Py_DECREF(ident);
+    Py_DECREF(upto);
+    Py_DECREF(request);
+    double dt = now() - t0;
+    h->calls++;
+    h->seconds += dt;
+    if (add_overhead(rt, dt) < 0) {
+        PyErr_Clear();
+    }
+    return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+decline:
+    PyErr_Clear();
+    Py_XDECREF(got);
+    Py_XDECREF(ident);
+    Py_XDECREF(upto);
+    Py_DECREF(request);
+    return SLOW();
+}
+
 static PyObject *
 hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -376,6 +474,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     if (!enabled || nargs < 1) {
         return SLOW();
+    }
+    if (h->kind == K_HITS) {
+        return hits_call(h, rt, args, nargsf, kwnames);
     }
     /* which calls this route takes: the shapes vLLM 0.32 makes */
     PyObject *blocks = NULL, *lo = NULL, *hi = NULL, *request = NULL;
@@ -692,8 +793,9 @@ hook_set_identity(Hook *h, PyObject *value, void *closure)
     if (value == NULL) {
         value = Py_None;
     }
-    if (value != Py_None && !(PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 8)) {
-        PyErr_SetString(PyExc_TypeError, "identity: a tuple of 8 or None");
+    Py_ssize_t want = h->kind == K_HITS ? 11 : 8;
+    if (value != Py_None && !(PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == want)) {
+        PyErr_Format(PyExc_TypeError, "identity: a tuple of %zd or None", want);
         return -1;
     }
     Py_XSETREF(h->identity, Py_NewRef(value));
@@ -721,9 +823,10 @@ static PyGetSetDef hook_getset[] = {
      "the allocator's part (another adapter's hook on the same method), or None",
      NULL},
     {"identity", (getter)hook_get_identity, (setter)hook_set_identity,
-     "K_CACHE: (weak ref to the runtime, weak ref to the pool, producers, chains, hash block "
-     "size, [weights digest], known_chain, identity_record): the observer's clean route in "
-     "C, or None",
+     "the identity audit's clean route in C, or None.  K_CACHE: (weak ref to the runtime, "
+     "weak ref to the pool, producers, chains, hash block size, [weights digest], "
+     "known_chain, identity_record); K_HITS: (the same first six, known_chain, "
+     "identity_hits, make, the scheduler's requests, the audit)",
      NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
@@ -826,6 +929,9 @@ PyInit__hookfast(void)
     INTERN(s_num_cached, "num_cached_blocks");
     INTERN(s_num_full, "num_full_blocks");
     INTERN(s_request_id, "request_id");
+    INTERN(s_new_computed_blocks, "new_computed_blocks");
+    INTERN(s_block_pool, "block_pool");
+    INTERN(s_checked, "checked");
     if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
@@ -838,7 +944,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "ALLOCATE", K_ALLOCATE) < 0
         || PyModule_AddIntConstant(m, "TOUCH", K_TOUCH) < 0
         || PyModule_AddIntConstant(m, "RELEASE", K_RELEASE) < 0
-        || PyModule_AddIntConstant(m, "CACHE", K_CACHE) < 0) {
+        || PyModule_AddIntConstant(m, "CACHE", K_CACHE) < 0
+        || PyModule_AddIntConstant(m, "HITS", K_HITS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

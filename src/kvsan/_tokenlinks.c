@@ -13,7 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_TOKENLINKS_ABI 3
+#define KVSAN_TOKENLINKS_ABI 4
 
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
@@ -213,21 +213,75 @@ error: /* all or nothing: the three chains cut back to where they were */
     return NULL;
 }
 
-/* known_chain(chains, request, bs, upto) -> the request's identity chain
- * extended to ``upto`` blocks, or None (the Python path decides: a request
- * without a chain yet, a new Request object under a known id, multimodal
- * input or prompt embeddings, tokens not in a list).  ``chains``: request id
- * -> (weak reference to the Request, its RequestIdentity), as
- * kvsan.hooks.vllm_identity keeps them; the same steps as its ``_chain`` for
- * a known text-only request, without a Python frame */
+/* known_chain(chains, request, bs, upto[, make]) -> the request's identity
+ * chain extended to ``upto`` blocks, or None (the Python path decides: a
+ * request without a chain yet and no ``make``, a new Request object under a
+ * known id, multimodal input or prompt embeddings, tokens not in a list).
+ * ``chains``: request id -> (weak reference to the Request, its
+ * RequestIdentity), as kvsan.hooks.vllm_identity keeps them; the same steps
+ * as its ``_chain`` for a known text-only request, without a Python frame.
+ *
+ * ``make``: (RequestIdentity, static digests, weak reference type, its
+ * callback) to start the chain of a request that has none yet and neither
+ * a LoRA adapter nor a cache_salt, as ``_chain`` starts it: the static
+ * digests are those ``_chain`` would give it (the caller passes them), and
+ * the weak reference (a ``weakref.ref`` subclass with a ``rid`` slot) drops
+ * the entry with the Request. */
 static PyObject *s_request_id, *s_tok, *s_mm, *s_emb, *s_mm_features, *s_prompt_embeds,
-    *s_all_token_ids;
+    *s_all_token_ids, *s_lora_request, *s_cache_salt, *s_rid;
+
+/* a new entry in ``chains`` for ``request`` (id ``rid``), as described
+ * above: the new RequestIdentity (borrowed from the entry), None (borrowed:
+ * not one ``make`` starts), or NULL with an exception */
+static PyObject *
+start_chain(PyObject *chains, PyObject *request, PyObject *rid, PyObject *make)
+{
+    if (!PyTuple_CheckExact(make) || PyTuple_GET_SIZE(make) != 4) {
+        PyErr_SetString(PyExc_TypeError,
+                        "known_chain: make is (RequestIdentity, static, ref type, callback)");
+        return NULL;
+    }
+    PyObject *lora = PyObject_GetAttr(request, s_lora_request);
+    if (lora == NULL) {
+        return NULL;
+    }
+    PyObject *salt = PyObject_GetAttr(request, s_cache_salt);
+    if (salt == NULL) {
+        Py_DECREF(lora);
+        return NULL;
+    }
+    int plain = lora == Py_None && salt == Py_None;
+    Py_DECREF(lora);
+    Py_DECREF(salt);
+    if (!plain) {
+        return Py_None;
+    }
+    PyObject *ident = PyObject_CallOneArg(PyTuple_GET_ITEM(make, 0), PyTuple_GET_ITEM(make, 1));
+    if (ident == NULL) {
+        return NULL;
+    }
+    PyObject *rargs[2] = {request, PyTuple_GET_ITEM(make, 3)};
+    PyObject *ref = PyObject_Vectorcall(PyTuple_GET_ITEM(make, 2), rargs, 2, NULL);
+    PyObject *entry = NULL;
+    if (ref == NULL || PyObject_SetAttr(ref, s_rid, rid) < 0
+        || (entry = PyTuple_Pack(2, ref, ident)) == NULL
+        || PyDict_SetItem(chains, rid, entry) < 0) {
+        Py_XDECREF(entry);
+        Py_XDECREF(ref);
+        Py_DECREF(ident);
+        return NULL;
+    }
+    Py_DECREF(entry);
+    Py_DECREF(ref);
+    Py_DECREF(ident); /* the entry holds it */
+    return ident;
+}
 
 static PyObject *
 known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !PyDict_CheckExact(args[0])) {
-        PyErr_SetString(PyExc_TypeError, "known_chain(chains: dict, request, bs, upto)");
+    if ((nargs != 4 && nargs != 5) || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "known_chain(chains: dict, request, bs, upto[, make])");
         return NULL;
     }
     PyObject *request = args[1];
@@ -236,38 +290,51 @@ known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *entry = PyDict_GetItemWithError(args[0], rid); /* borrowed */
-    Py_DECREF(rid);
+    PyObject *ident;
     if (entry == NULL) {
-        if (PyErr_Occurred()) {
-            return NULL;
+        if (PyErr_Occurred() || nargs == 4) {
+            Py_DECREF(rid);
+            return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
         }
-        Py_RETURN_NONE;
+        ident = start_chain(args[0], request, rid, args[4]);
+        Py_DECREF(rid);
+        if (ident == NULL || ident == Py_None) {
+            return ident == NULL ? NULL : Py_NewRef(Py_None);
+        }
+    } else {
+        Py_DECREF(rid);
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
+            || !PyWeakref_Check(PyTuple_GET_ITEM(entry, 0))
+            || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry, 0)) != request) {
+            Py_RETURN_NONE;
+        }
+        ident = PyTuple_GET_ITEM(entry, 1);
     }
-    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
-        || !PyWeakref_Check(PyTuple_GET_ITEM(entry, 0))
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry, 0)) != request) {
-        Py_RETURN_NONE;
-    }
-    PyObject *ident = PyTuple_GET_ITEM(entry, 1);
+    Py_INCREF(ident); /* held while extending (a callback may drop the entry) */
+    PyObject *out = NULL;
     Py_ssize_t upto = PyLong_AsSsize_t(args[3]);
     if (upto == -1 && PyErr_Occurred()) {
+        Py_DECREF(ident);
         return NULL;
     }
     PyObject *tok = PyObject_GetAttr(ident, s_tok);
     if (tok == NULL) {
+        Py_DECREF(ident);
         return NULL;
     }
     if (!PyList_CheckExact(tok)) {
+        out = Py_NewRef(Py_None);
         Py_DECREF(tok);
-        Py_RETURN_NONE;
+        Py_DECREF(ident);
+        return out;
     }
     if (PyList_GET_SIZE(tok) >= upto) {
         Py_DECREF(tok);
-        return Py_NewRef(ident);
+        return ident;
     }
     /* to be extended: only a text-only request's chain, over a token list */
     PyObject *argv[6] = {tok, NULL, NULL, NULL, args[2], args[3]};
-    PyObject *feats = NULL, *embeds = NULL, *out = NULL;
+    PyObject *feats = NULL, *embeds = NULL;
     int text_only = 0;
     feats = PyObject_GetAttr(request, s_mm_features);
     embeds = feats == NULL ? NULL : PyObject_GetAttr(request, s_prompt_embeds);
@@ -314,13 +381,15 @@ done:
     Py_XDECREF(feats);
     Py_XDECREF(embeds);
     Py_DECREF(tok);
+    Py_DECREF(ident);
     return out;
 }
 
 static PyMethodDef methods[] = {
     {"known_chain", (PyCFunction)(void (*)(void))known_chain, METH_FASTCALL,
-     "known_chain(chains, request, bs, upto) -> a known text-only request's identity chain "
-     "extended to upto blocks, or None (the Python path decides)"},
+     "known_chain(chains, request, bs, upto[, make]) -> a known (or, with make, new) "
+     "text-only request's identity chain extended to upto blocks, or None (the Python path "
+     "decides)"},
     {"links", (PyCFunction)(void (*)(void))links, METH_FASTCALL,
      "links(tokens, bs, start, upto, parent) -> the token chain's links of blocks "
      "[start, upto), as hash((parent, tuple(block tokens))) would give them"},
@@ -346,7 +415,8 @@ PyInit__tokenlinks(void)
         const char *text;
     } names[] = {{&s_request_id, "request_id"}, {&s_tok, "tok"}, {&s_mm, "mm"},
                  {&s_emb, "emb"}, {&s_mm_features, "mm_features"},
-                 {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"}};
+                 {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"},
+                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if ((*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL) {
             return NULL;

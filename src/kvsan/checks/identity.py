@@ -66,7 +66,7 @@ def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
     global _links, _extend_text, known_chain
-    mod = native.load("_tokenlinks", 3) if on else None
+    mod = native.load("_tokenlinks", 4) if on else None
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None
     known_chain = mod.known_chain if mod is not None else None

@@ -34,14 +34,20 @@ _audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> au
 _chains: dict = {}
 
 
-def _forget(rid: str):
-    """The weak reference callback that drops ``rid``'s chain with its
-    Request (unless a newer Request with the same id replaced it)."""
-    def drop(ref):
-        entry = _chains.get(rid)
-        if entry is not None and entry[0] is ref:
-            del _chains[rid]
-    return drop
+class _ChainRef(weakref.ref):
+    """The weak reference to a Request in :data:`_chains`, carrying its
+    request id so that one callback (:func:`_reap`) serves every entry
+    (kvsan._tokenlinks makes these too, without a Python frame)."""
+
+    __slots__ = ("rid",)
+
+
+def _reap(ref: _ChainRef) -> None:
+    """A Request went: drop its chain (unless a newer Request under the same
+    id replaced the entry)."""
+    entry = _chains.get(ref.rid)
+    if entry is not None and entry[0] is ref:
+        del _chains[ref.rid]
 
 
 WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
@@ -115,10 +121,23 @@ def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes]:
     return out
 
 
+#: what ``kvsan._tokenlinks.known_chain`` needs to start the chain of a
+#: request without LoRA or cache_salt as :func:`_chain` would (the static
+#: digests depend on the KV dtype: remade by :func:`_refresh_make`)
+_MAKE: list = [None]
+
+
+def _refresh_make() -> None:
+    _MAKE[0] = (RequestIdentity, _static_digests(None, None, _state["dtype"]), _ChainRef, _reap)
+
+
+_refresh_make()
+
+
 def _chain(request, bs: int, upto: int) -> RequestIdentity:
     known = _identity.known_chain
     if known is not None:  # a known text-only request: the same steps in one C call
-        ident = known(_chains, request, bs, upto)
+        ident = known(_chains, request, bs, upto, _MAKE[0])
         if ident is not None:
             return ident
     rid = request.request_id
@@ -130,7 +149,9 @@ def _chain(request, bs: int, upto: int) -> RequestIdentity:
         lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
                 if lr else None)
         ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]))
-        _chains[rid] = (weakref.ref(request, _forget(rid)), ident)
+        ref = _ChainRef(request, _reap)
+        ref.rid = rid
+        _chains[rid] = (ref, ident)
     if len(ident.tok) < upto:
         # the list behind vLLM's read-only view: slicing it is a C call
         tokens = getattr(request, "_all_token_ids", None)
@@ -196,7 +217,8 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
     try:
         audit = last[2]
         known = _identity.known_chain
-        ident = known(_chains, request, pool.hash_block_size, hi) if known is not None else None
+        ident = (known(_chains, request, pool.hash_block_size, hi, _MAKE[0])
+                 if known is not None else None)
         if ident is None:
             ident = _chain(request, pool.hash_block_size, hi)
         fast = _hooks.SHADOWFAST
@@ -231,7 +253,8 @@ def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
         if last[0] is rt and last[1]() is pool or _audit(rt, pool) is not None:
             t0 = _perf_counter()
             try:
-                _check_hits(last[2], pool, args, kwargs, sys._getframe(1))
+                if _check_hits(last[2], pool, args, kwargs, sys._getframe(1)):
+                    _hand_hits_to_native(rt, pool, last[2], last[3])
             except Exception as e:  # noqa: BLE001 - report first, never mask
                 guard_failed(rt, "identity.hit", e)  # a violation propagates (raise / abort)
             finally:
@@ -239,10 +262,23 @@ def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
-def _check_hits(audit, pool, args, kwargs, caller) -> None:
+def _hand_hits_to_native(rt, pool, audit, requests) -> None:
+    """From now on the native hook on ``allocate_new_computed_blocks`` checks
+    this pool's clean hits itself (kvsan._hookfast's hits_call), where it
+    can: the C paths are on and the scheduler's request table is known."""
+    hook = _NATIVE_HITS[0]
+    known, fast = _identity.known_chain, _hooks.SHADOWFAST
+    if hook is not None and known is not None and fast is not None and requests is not None:
+        hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.producers, _chains,
+                         pool.hash_block_size, _WEIGHTS, known, fast.identity_hits, _MAKE[0],
+                         requests, audit)
+
+
+def _check_hits(audit, pool, args, kwargs, caller) -> bool:
     """The consumer identity of a request's prefix hits against each block's
     producer (``caller``: the frame that made the call, where the Request is
-    looked for when the scheduler's table does not have it)."""
+    looked for when the scheduler's table does not have it).  True when the
+    hits were compared in C and matched (the native hook can take such calls)."""
     if args:
         v = bind_args(args, kwargs, ("request_id", "new_computed_blocks"))
         rid, hits = v["request_id"], v.get("new_computed_blocks")
@@ -250,7 +286,7 @@ def _check_hits(audit, pool, args, kwargs, caller) -> None:
         rid, hits = kwargs["request_id"], kwargs.get("new_computed_blocks")
     blocks = hits[0] if hits else ()
     if not blocks:
-        return
+        return False
     reqs = _LAST[3]
     request = reqs.get(rid) if reqs is not None else None
     if request is None:
@@ -259,7 +295,7 @@ def _check_hits(audit, pool, args, kwargs, caller) -> None:
             raise LookupError(f"no Request {rid!r} on the calling stack")
     bs = pool.hash_block_size
     known = _identity.known_chain
-    ident = known(_chains, request, bs, len(blocks)) if known is not None else None
+    ident = known(_chains, request, bs, len(blocks), _MAKE[0]) if known is not None else None
     if ident is None:
         ident = _chain(request, bs, len(blocks))
     weights = _WEIGHTS[0]
@@ -270,11 +306,12 @@ def _check_hits(audit, pool, args, kwargs, caller) -> None:
         audit.on_hits(rid, ident, weights,
                       [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
                        if not b.is_null])
-        return
+        return False
     compared, mismatches = got  # compared in C; each mismatch reported as on_hits does
     audit.checked += compared
     for i, block, key, known_ in mismatches:
         audit.mismatch(block, key, rid, ident, i, weights, known_)
+    return not mismatches
 
 
 def _collective_rpc(wrapped, instance, args, kwargs):
@@ -301,6 +338,7 @@ def _scheduler_init(wrapped, instance, args, kwargs):
         _state["model"] = instance.vllm_config.model_config.model
         _state["dtype"] = instance.cache_config.cache_dtype
         _refresh_weights()
+        _refresh_make()
         _requests_of[instance.kv_cache_manager.block_pool] = instance.requests
         _LAST[0] = None  # a new scheduler: look the pool up again
     except (AttributeError, TypeError):
@@ -311,8 +349,8 @@ def _scheduler_init(wrapped, instance, args, kwargs):
 def targets() -> list[Target]:
     return [
         Target("vllm.v1.core.block_pool", "BlockPool.cache_full_blocks", _cache_full_blocks),
-        Target("vllm.v1.core.kv_cache_coordinator",
-               "KVCacheCoordinator.allocate_new_computed_blocks", _allocate_new_computed_blocks),
+        Target(_HITS_HOOK[0], ".".join(_HITS_HOOK[1:]), _allocate_new_computed_blocks,
+               fast=("HITS", _no_second_half)),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init),
         Target("vllm.v1.engine.core", "EngineCore.collective_rpc", _collective_rpc),
         Target("vllm.v1.engine.core", "EngineCore.set_weight_version", _set_weight_version),
@@ -321,23 +359,38 @@ def targets() -> list[Target]:
 
 
 _CACHE_HOOK = ("vllm.v1.core.block_pool", "BlockPool", "cache_full_blocks")
+_HITS_HOOK = ("vllm.v1.core.kv_cache_coordinator", "KVCacheCoordinator",
+              "allocate_new_computed_blocks")
+
+
+def _no_second_half(*_args) -> None:
+    """The hit check's native hook has no second half: what it declines, the
+    Python hook does whole, before vLLM's method runs."""
+
+
+def _native_hook(where: tuple[str, str, str]):
+    """The ``kvsan._hookfast.Hook`` on the method ``where`` = (module, class,
+    attribute) when there is one, else None."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(where[0]), where[1])
+    except (ImportError, AttributeError):
+        return None
+    return _hooks.native_hook(cls.__dict__.get(where[2]))
 
 
 def _native_cache_hook():
     """The allocator's native hook on ``BlockPool.cache_full_blocks`` when
     there is one (the identity audit then rides on it as its observer rather
     than wrapping the method a second time)."""
-    import importlib
-
-    try:
-        cls = getattr(importlib.import_module(_CACHE_HOOK[0]), _CACHE_HOOK[1])
-    except (ImportError, AttributeError):
-        return None
-    return _hooks.native_hook(cls.__dict__.get(_CACHE_HOOK[2]))
+    return _native_hook(_CACHE_HOOK)
 
 
-#: the allocator's native hook this audit observes (set by :func:`install`)
+#: the allocator's native hook this audit observes, and this audit's own
+#: native hook on the hit check (set by :func:`install`)
 _NATIVE_OBSERVED: list = [None]
+_NATIVE_HITS: list = [None]
 
 
 def install() -> list[str]:
@@ -354,6 +407,7 @@ def install() -> list[str]:
         installed += [t.name for t in ts if t not in rest]
     else:
         installed, _ = instrument(ts)
+    _NATIVE_HITS[0] = _native_hook(_HITS_HOOK)
     return [f"identity:{t.qualname}" for t in ts if t.name in installed]
 
 
@@ -363,4 +417,8 @@ def uninstall() -> None:
         hook.observer = None
         hook.identity = None
     _NATIVE_OBSERVED[0] = None
+    hits = _NATIVE_HITS[0]
+    if hits is not None:
+        hits.identity = None
+    _NATIVE_HITS[0] = None
     uninstrument(targets())
