@@ -31,9 +31,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 2
+#define KVSAN_SHADOWFAST_ABI 3
 
 #include <structmember.h>
+#include <time.h>
 
 /* The engine block's attributes read here.  vLLM's KVCacheBlock is a slotted
  * dataclass: its fields are member descriptors at fixed offsets, so once per
@@ -99,6 +100,9 @@ typedef struct {
     PyObject *sh;        /* the ShadowTable (totals, _hold/_unhold, site_id) */
     PyObject *counters;  /* dict: the checker's event counters */
     PyObject *held;      /* dict: owner -> references held (shadow.held) */
+    PyObject *since;     /* dict: owner -> (monotonic time, step) it began to hold */
+    PyObject *ended;     /* dict: shadow.ended */
+    PyObject *nonrequest; /* set: shadow.nonrequest */
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
     Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
     unsigned char *seen; /* scratch: blocks already met in this call */
@@ -138,6 +142,9 @@ Table_traverse(Table *self, visitproc visit, void *arg)
     Py_VISIT(self->sh);
     Py_VISIT(self->counters);
     Py_VISIT(self->held);
+    Py_VISIT(self->since);
+    Py_VISIT(self->ended);
+    Py_VISIT(self->nonrequest);
     Py_VISIT(self->site_ids);
     return 0;
 }
@@ -155,6 +162,9 @@ Table_clear(Table *self)
     Py_CLEAR(self->sh);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->held);
+    Py_CLEAR(self->since);
+    Py_CLEAR(self->ended);
+    Py_CLEAR(self->nonrequest);
     Py_CLEAR(self->site_ids);
     return 0;
 }
@@ -206,6 +216,8 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         {"hashes", &self->hashes, &PyList_Type},   {"acq_owner", &self->acq_owner, &PyList_Type},
         {"rel_owner", &self->rel_owner, &PyList_Type}, {"null", &self->null, &PyFrozenSet_Type},
         {"held", &self->held, &PyDict_Type},       {"_site_ids", &self->site_ids, &PyDict_Type},
+        {"since", &self->since, &PyDict_Type},     {"ended", &self->ended, &PyDict_Type},
+        {"nonrequest", &self->nonrequest, &PySet_Type},
     };
     for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
         PyObject *o = PyObject_GetAttrString(sh, objs[i].name);
@@ -376,7 +388,8 @@ table_ok(Table *t)
 {
     if (t->own0 == NULL || t->hashes == NULL || t->acq_owner == NULL || t->rel_owner == NULL
         || t->more == NULL || t->null == NULL || t->mism == NULL || t->sh == NULL
-        || t->counters == NULL || t->held == NULL || t->site_ids == NULL
+        || t->counters == NULL || t->held == NULL || t->site_ids == NULL || t->since == NULL
+        || t->ended == NULL || t->nonrequest == NULL
         || PyList_GET_SIZE(t->own0) != t->n
         || PyList_GET_SIZE(t->hashes) != t->n || PyList_GET_SIZE(t->acq_owner) != t->n
         || PyList_GET_SIZE(t->rel_owner) != t->n || t->seen == NULL) {
@@ -493,11 +506,13 @@ call_shadow(Table *t, int name, PyObject *owner, Py_ssize_t k)
 }
 
 /* the owner's held count after it took (``sign`` +1) or dropped (-1) ``k``
- * references: in place, except an owner's first references and its last
- * (or an unknown owner, which raises there as it would), which go through
- * the shadow's ``_hold`` / ``_unhold`` (they keep since when it holds) */
+ * references, as the shadow's ``_hold`` / ``_unhold`` keep it: an owner's
+ * first references also file since when it holds (monotonic time, ``step``),
+ * its last ones forget it (held, since, ended, nonrequest).  Anything odd (a
+ * count that is not a positive int, more dropped than held) goes through
+ * the Python methods, which raise or decide there. */
 static int
-held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign)
+held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
 {
     if (!k) {
         return 0;
@@ -509,6 +524,34 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign)
     Py_ssize_t n = had != NULL && PyLong_CheckExact(had) ? PyLong_AsSsize_t(had) : 0;
     if (n == -1 && PyErr_Occurred()) {
         return -1;
+    }
+    if (sign > 0 && had == NULL) { /* _hold of an owner holding nothing */
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic's clock on Linux */
+        PyObject *when = Py_BuildValue("(di)", (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9,
+                                       step);
+        if (when == NULL) {
+            return -1;
+        }
+        int r = PyDict_SetItem(t->since, owner, when);
+        Py_DECREF(when);
+        if (r < 0) {
+            return -1;
+        }
+        return dict_add(t->held, owner, k);
+    }
+    if (sign < 0 && had != NULL && n == k) { /* _unhold of its last references */
+        if (PyDict_DelItem(t->held, owner) < 0) {
+            return -1;
+        }
+        for (int i = 0; i < 2; i++) { /* since.pop(owner, None), ended.pop(owner, None) */
+            PyObject *gone = _PyDict_Pop(i ? t->ended : t->since, owner, Py_None);
+            if (gone == NULL) {
+                return -1;
+            }
+            Py_DECREF(gone);
+        }
+        return PySet_Discard(t->nonrequest, owner) < 0 ? -1 : 0;
     }
     if (sign > 0 ? n <= 0 : n <= k) {
         return call_shadow(t, sign > 0 ? K_HOLD : K_UNHOLD, owner, k);
@@ -557,7 +600,7 @@ site_id(Table *t, PyObject *site)
  * references taken, -1 for references dropped) */
 static int
 bookkeep(Table *t, int counter, Py_ssize_t k, Py_ssize_t evicted, PyObject *owner,
-         Py_ssize_t d_owned, Py_ssize_t d_cached_free, int sign)
+         Py_ssize_t d_owned, Py_ssize_t d_cached_free, int sign, int step)
 {
     if (dict_add(t->counters, keys[counter], k) < 0
         || (evicted && dict_add(t->counters, keys[K_EVICTED], evicted) < 0)
@@ -565,7 +608,7 @@ bookkeep(Table *t, int counter, Py_ssize_t k, Py_ssize_t evicted, PyObject *owne
         || (d_cached_free && attr_add(t->sh, keys[K_N_CACHED_FREE], d_cached_free) < 0)) {
         return -1;
     }
-    return held_add(t, owner, k, sign);
+    return held_add(t, owner, k, sign, step);
 }
 
 /* the arguments every event method takes: (blocks, owner, step, site), and a
@@ -668,7 +711,7 @@ Table_allocate(Table *t, PyObject *args)
     }
     PyMem_Free(ids);
     Py_ssize_t ne = PyList_GET_SIZE(evicted);
-    if (bookkeep(t, K_ALLOCATED, k, ne, owner, k, -ne, 1) < 0) {
+    if (bookkeep(t, K_ALLOCATED, k, ne, owner, k, -ne, 1, step) < 0) {
         Py_DECREF(evicted);
         return NULL;
     }
@@ -783,7 +826,7 @@ Table_share(Table *t, PyObject *args)
         I32(t->acq_site)[b] = site;
     }
     PyMem_Free(ids);
-    if (bookkeep(t, K_SHARED, m, 0, owner, newly, -claimed, 1) < 0) {
+    if (bookkeep(t, K_SHARED, m, 0, owner, newly, -claimed, 1, step) < 0) {
         return NULL;
     }
     return Py_BuildValue("(nnn)", m, newly, claimed);
@@ -1047,7 +1090,7 @@ Table_release(Table *t, PyObject *args)
         Py_DECREF(key);
     }
     PyMem_Free(ids);
-    if (bookkeep(t, K_RELEASED, m, 0, owner, -unowned, unowned_cached, -1) < 0) {
+    if (bookkeep(t, K_RELEASED, m, 0, owner, -unowned, unowned_cached, -1, step) < 0) {
         Py_DECREF(freed);
         return NULL;
     }
