@@ -13,6 +13,7 @@ value, and in ``log`` mode never let a kvsan failure reach the engine.
 
 from __future__ import annotations
 
+import enum
 import sys
 from array import array
 from time import monotonic as _monotonic
@@ -503,8 +504,10 @@ def _schedule(wrapped, instance, args, kwargs):
         rt.reporter.internal_error("schedule.payload", e)
     ck = _scheduler_checker(rt, instance)
     if ck is not None:
-        def after():
-            ck.sweep(rt.config.leak_grace_steps)
+        t0 = _perf_counter()  # guarded inline, as _guard does (once per step)
+        try:
+            if ck.pending_release:
+                ck.sweep(rt.config.leak_grace_steps)
             if rt.config.audit_every and rt.step % rt.config.audit_every == 0:
                 audit_scheduler(rt, instance)
             if rt.metrics is not None:
@@ -513,7 +516,10 @@ def _schedule(wrapped, instance, args, kwargs):
                     rt.metrics_due = now + METRICS_PERIOD_S
                     rt.metrics.update_pool(ck.shadow.stats())
                     rt.metrics.flush_counters(rt.overhead_s, rt.step)
-        _guard(rt, "schedule", after)
+        except Exception as e:  # noqa: BLE001 - report first, never mask
+            guard_failed(rt, "schedule", e)  # a violation (raise / abort modes) propagates
+        finally:
+            rt.overhead_s += _perf_counter() - t0
     return ret
 
 
@@ -543,27 +549,48 @@ def _update_from_output(wrapped, instance, args, kwargs):
     return ret
 
 
+#: request status -> its text ("finished_aborted"): an enum member's
+#: ``name`` is a Python-level property, read once per status here
+_STATUS_TEXT: dict = {}
+
+
 def _status(request) -> str:
     status = getattr(request, "status", None)
-    return getattr(status, "name", str(status)).lower()
+    try:
+        text = _STATUS_TEXT.get(status)
+    except TypeError:  # not hashable: not an engine status
+        text = None
+    if text is None:
+        text = getattr(status, "name", str(status)).lower()
+        if isinstance(status, enum.Enum):
+            _STATUS_TEXT[status] = text
+    return text
 
 
 def _free_request(wrapped, instance, args, kwargs):
     """After a finished request's release: it must hold nothing, unless the
     engine delays its free (it then still tracks the request; the free that
-    follows is checked by :func:`_update_from_output`)."""
+    follows is checked by :func:`_update_from_output`).  Guarded inline, as
+    ``_guard`` does: this runs once per request end."""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
-    if ck is not None:
+    if ck is None:
+        return ret
+    t0 = _perf_counter()
+    try:
         request = args[0] if args else kwargs["request"]
         rid = request.request_id
         if rid in instance.requests:
-            _guard(rt, "_free_request", ck.on_request_pending_release, rid, _status(request))
+            ck.on_request_pending_release(rid, _status(request))
         else:
             site = call_site(1)
-            _guard(rt, "_free_request", ck.on_request_released, rid, _status(request), site)
+            ck.on_request_released(rid, _status(request), site)
             _stale_tables(rt, ck, instance, rid, site)
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
+    finally:
+        rt.overhead_s += _perf_counter() - t0
     return ret
 
 
