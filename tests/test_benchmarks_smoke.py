@@ -35,19 +35,18 @@ def test_events_tiny():
 
 def test_hookcost_tiny():
     from benchmarks import hookcost
-    from kvsan.hooks import vllm_allocator
+    from kvsan import hooks
 
-    guard = vllm_allocator._guard
+    trampoline = hooks._trampoline
     res = hookcost.bench(n=8, steps=6)
-    hooks = res["hooks"]
-    # the native hook times itself; the Python route's guard and context
-    # lookup are timed by the benchmark's wrappers
-    alloc = hooks.get("get_new_blocks (native hook)") or hooks["get_new_blocks"]
-    assert alloc["calls_per_step"] > 0 and alloc["us_per_call"] > 0
-    assert "get_new_blocks (native hook)" in hooks or \
-        hooks["owner and call-site lookup"]["us_per_call"] > 0
+    rows = res["hooks"]
+    # the native hooks time themselves; the Python trampolines are timed by
+    # the benchmark's own trampoline, in the lane's process only
+    alloc = rows.get("get_new_blocks (native hook)")
+    assert alloc is not None and alloc["calls_per_step"] > 0 and alloc["us_per_call"] > 0
+    assert rows["Scheduler.schedule"]["calls_per_step"] == 1
     assert "timed in all" in hookcost.markdown(res)
-    assert vllm_allocator._guard is guard  # the timers are removed again
+    assert hooks._trampoline is trampoline  # this process is untouched
 
 
 def test_scale_tiny():

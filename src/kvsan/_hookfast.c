@@ -1,4 +1,4 @@
-/* kvsan._hookfast: the hottest BlockPool hooks as C callables.
+/* kvsan._hookfast: the hottest engine hooks as C callables.
  *
  * vLLM's scheduler makes about fifty BlockPool calls a step at 256 running
  * requests (get_new_blocks, touch, free_blocks, cache_full_blocks).  Through
@@ -10,7 +10,10 @@
  * trampoline for these four methods: it calls vLLM's original with the
  * engine's own arguments, reads the call context, applies the event through
  * the pool's ``_shadowfast.Table`` and files the step journal, all without a
- * Python frame.
+ * Python frame.  The identity audit rides on two of them: the cache hook
+ * makes its producer records (identity_observe), and a fifth kind, HITS, on
+ * ``KVCacheCoordinator.allocate_new_computed_blocks``, makes its hit check
+ * (hits_call), both through kvsan's own C functions for the clean case.
  *
  * It is only a faster route to the same results:
  *  - anything it does not handle (kvsan off, a pool without a native table,
@@ -22,10 +25,13 @@
  *    already read, after vLLM's method ran (the table changes nothing when it
  *    declines an event);
  *  - a failure of kvsan's own is handed to ``error_fn`` (the Python guard's
- *    except branch: counted, and raised only outside ``log`` mode).
+ *    except branch: counted, and raised only outside ``log`` mode), except in
+ *    the identity routes, which hand the call to the Python hook instead.
  * tests/test_native.py compares this route with the pure-Python one (the whole
  * shadow table, journal and violations of seeded traffic with faults);
- * tests/test_hookfast.py covers the call forms and the failure handling.
+ * tests/test_hookfast.py covers the call forms and the failure handling;
+ * tests/test_identity.py and tests/test_scheduler_paths.py the identity
+ * routes (taken for clean calls, a bad key still reported).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -838,7 +844,7 @@ static PyTypeObject HookType = {
     .tp_basicsize = sizeof(Hook),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL
                 | Py_TPFLAGS_METHOD_DESCRIPTOR,
-    .tp_doc = "Hook(kind, original, slow, post, where): a BlockPool method observed in C",
+    .tp_doc = "Hook(kind, original, slow, post, where): an engine method observed in C",
     .tp_new = hook_new,
     .tp_dealloc = (destructor)hook_dealloc,
     .tp_traverse = (traverseproc)hook_traverse,
