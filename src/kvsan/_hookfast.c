@@ -371,8 +371,9 @@ slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
  * whose chain is known or that known_chain can start, when nothing
  * mismatches.  ``h->identity`` is set by the Python hook once it handled a
  * call: (weak ref to the runtime, weak ref to the pool, producers, chains,
- * hash block size, [weights digest], known_chain, identity_hits, make,
- * the scheduler's requests dict, the audit).  Anything else -- another
+ * hash block size, [weights digest], known_chain, identity_hits, [make],
+ * the scheduler's requests dict, the audit); the one-item lists are read on
+ * every call (a weights update or a new KV dtype replaces their item).  Anything else -- another
  * runtime or pool, a Request not in the scheduler's table, a chain the
  * Python path must make, a mismatch to report, a failure of its own -- goes
  * to the Python trampoline for the whole call (the check is pure until it
@@ -387,7 +388,9 @@ hits_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
         || !PyDict_CheckExact(PyTuple_GET_ITEM(st, 9))
         || !PyList_CheckExact(PyTuple_GET_ITEM(st, 5))
-        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 5)) != 1) {
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 5)) != 1
+        || !PyList_CheckExact(PyTuple_GET_ITEM(st, 8))
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 8)) != 1) {
         return SLOW();
     }
     PyObject *rid = arg(args, nargs, kwnames, 1, s_request_id);
@@ -422,7 +425,7 @@ hits_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         goto decline;
     }
     PyObject *kargv[5] = {PyTuple_GET_ITEM(st, 3), request, PyTuple_GET_ITEM(st, 4), upto,
-                          PyTuple_GET_ITEM(st, 8)};
+                          PyList_GET_ITEM(PyTuple_GET_ITEM(st, 8), 0)};
     ident = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 6), kargv, 5, NULL);
     if (ident == NULL || ident == Py_None) {
         goto decline;
@@ -832,7 +835,7 @@ static PyGetSetDef hook_getset[] = {
      "the identity audit's clean route in C, or None.  K_CACHE: (weak ref to the runtime, "
      "weak ref to the pool, producers, chains, hash block size, [weights digest], "
      "known_chain, identity_record); K_HITS: (the same first six, known_chain, "
-     "identity_hits, make, the scheduler's requests, the audit)",
+     "identity_hits, [make], the scheduler's requests, the audit)",
      NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},

@@ -270,7 +270,7 @@ def _hand_hits_to_native(rt, pool, audit, requests) -> None:
     known, fast = _identity.known_chain, _hooks.SHADOWFAST
     if hook is not None and known is not None and fast is not None and requests is not None:
         hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.producers, _chains,
-                         pool.hash_block_size, _WEIGHTS, known, fast.identity_hits, _MAKE[0],
+                         pool.hash_block_size, _WEIGHTS, known, fast.identity_hits, _MAKE,
                          requests, audit)
 
 
