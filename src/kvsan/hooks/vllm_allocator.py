@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import enum
 import sys
+import weakref
 from array import array
 from time import monotonic as _monotonic
 from time import perf_counter as _perf_counter
@@ -441,16 +442,32 @@ def _mamba_allocate_new_blocks(wrapped, instance, args, kwargs):
 
 
 # ---------------------------------------------------------------- Scheduler
+#: one-entry cache of :func:`_scheduler_checker`: [runtime, weak reference
+#: to the scheduler, its checker]
+_SCHED_LAST: list = [None, None, None]
+
+
 def _scheduler_checker(rt, sched):
-    """The checker of ``sched``'s pool under ``rt`` (through the pool
-    checker's one-entry cache: ``rt.checkers`` is a WeakKeyDictionary, whose
-    lookup is a Python-level call, and this runs once per request end)."""
+    """The checker of ``sched``'s pool under ``rt``.  Cached for the last
+    scheduler seen (it runs once per request end and a few times per step;
+    ``rt.checkers`` is a WeakKeyDictionary, whose lookup is a Python-level
+    call): a scheduler keeps its pool for life."""
+    last = _SCHED_LAST
+    if last[0] is rt and last[1] is not None and last[1]() is sched:
+        return last[2]
     try:
         pool = sched.kv_cache_manager.block_pool
     except AttributeError:
         return None
     live, ck = _checker(pool)
-    return ck if live is rt else rt.checkers.get(pool)
+    if live is not rt:
+        ck = rt.checkers.get(pool)
+    if ck is not None:
+        try:
+            _SCHED_LAST[:] = [rt, weakref.ref(sched), ck]
+        except TypeError:  # not weakly referenceable: not cached
+            pass
+    return ck
 
 
 def pool_view(blocks):
@@ -581,11 +598,12 @@ def _free_request(wrapped, instance, args, kwargs):
     try:
         request = args[0] if args else kwargs["request"]
         rid = request.request_id
+        status = _STATUS_TEXT.get(getattr(request, "status", None)) or _status(request)
         if rid in instance.requests:
-            ck.on_request_pending_release(rid, _status(request))
+            ck.on_request_pending_release(rid, status)
         else:
             site = call_site(1)
-            ck.on_request_released(rid, _status(request), site)
+            ck.on_request_released(rid, status, site)
             _stale_tables(rt, ck, instance, rid, site)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
