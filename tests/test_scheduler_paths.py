@@ -237,3 +237,27 @@ def test_hit_checks_in_c_and_a_bad_key_still_reported(rt, monkeypatch):
     assert {tuple(x.owners) for x in v} == {("Q", "X")} and all(x.actor == "X" for x in v)
     assert all(x.details[0]["fields"] == ["tokens"] for x in v)
     assert len(v) == 3
+
+
+def test_abort_that_skips_the_release(rt):
+    """An abort path that forgets a request (drops it from the scheduler)
+    without its release: ``finish_requests`` itself is checked, so the
+    leak is reported when the abort returns, naming the request and every
+    block it still holds."""
+    from vllm.v1.request import RequestStatus
+
+    sched = scheduler()
+    sched.defer_block_free = False
+    for i in range(2):
+        sched.add_request(request(f"A{i}", [820 + i] * 5))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, model_output(sched, out))
+    held = sorted(b for b in sched.kv_cache_manager.get_block_ids("A1")[0])
+    sched._free_request = lambda request, delay_free_blocks=False: sched.requests.pop(
+        request.request_id) and None  # the instance attribute: kvsan's hook is bypassed
+    assert kinds_of(rt) == []
+    sched.finish_requests(["A1"], RequestStatus.FINISHED_ABORTED)
+    v = only(rt, "leaked_blocks")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["A1"], held)]
+    assert v[0].site.startswith("test_scheduler_paths.py")

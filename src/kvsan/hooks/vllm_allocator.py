@@ -632,18 +632,22 @@ def _release_path(final: bool, reason: str | None = None):
 
 
 def _finish_requests(wrapped, instance, args, kwargs):
+    """After requests finished from outside the scheduler (aborts): each must
+    hold nothing.  vLLM's own path checks them already (``_free_request``,
+    which records their end); this catches an abort path that skipped it."""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
     if ck is not None and ret:
-        site = _site()
+        ends, pending = ck.recent_ends, ck.pending_release
+        todo = [r for r in ret if r.request_id not in ends and r.request_id not in pending]
+        if todo:
+            site = _site()
 
-        def check():
-            for request in ret:
-                rid = request.request_id
-                if rid not in ck.pending_release:
-                    ck.on_request_released(rid, _status(request), site)
-        _guard(rt, "finish_requests", check)
+            def check():
+                for request in todo:
+                    ck.on_request_released(request.request_id, _status(request), site)
+            _guard(rt, "finish_requests", check)
     return ret
 
 
