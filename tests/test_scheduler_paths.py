@@ -261,3 +261,24 @@ def test_abort_that_skips_the_release(rt):
     v = only(rt, "leaked_blocks")
     assert [(x.owners, sorted(x.blocks)) for x in v] == [(["A1"], held)]
     assert v[0].site.startswith("test_scheduler_paths.py")
+
+
+def test_fenced_free_through_the_coordinator(rt):
+    """A fenced free made at the coordinator (what the scheduler's deferred
+    path reaches through its KV cache manager): the popped blocks pass to
+    ``deferred:<req>`` at once, and their later return to the pool is
+    legal."""
+    sched = scheduler()
+    sched.defer_block_free = False
+    sched.add_request(request("F0", [840] * 5))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, model_output(sched, out))
+    pool = sched.kv_cache_manager.block_pool
+    sh = rt.checkers[pool].shadow
+    blocks = sched.kv_cache_manager.coordinator.pop_blocks_for_free("F0")
+    ids = [b.block_id for b in blocks if not b.is_null]
+    assert ids and all(sh.is_owner(b, "deferred:F0") and not sh.is_owner(b, "F0") for b in ids)
+    assert not sh.held.get("F0")
+    pool.free_blocks(reversed(blocks))
+    assert kinds_of(rt) == [] and not sh.held.get("deferred:F0")

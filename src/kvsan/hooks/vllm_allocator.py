@@ -30,6 +30,7 @@ _BP = "vllm.v1.core.block_pool"
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
 _SCHED = "vllm.v1.core.sched.scheduler"
 _KVM = "vllm.v1.core.kv_cache_manager"
+_KVC = "vllm.v1.core.kv_cache_coordinator"
 CACHE_FULL_BLOCKS_ARGS = ("request", "blocks", "num_cached_blocks", "num_full_blocks")
 
 
@@ -373,17 +374,17 @@ def _stale_tables(rt, ck, sched, rid: str, site: str) -> None:
 
 
 def _pop_blocks_for_free(wrapped, instance, args, kwargs):
-    """A fenced (deferred) free (``KVCacheManager.pop_blocks_for_free``, which
-    only the scheduler calls, for that): the request's blocks leave its
-    table but stay referenced until the scheduler drains them, so they pass
-    to ``deferred:<req>``.  (The managers' own ``pop_blocks_for_free``, which
-    every plain free calls, is not hooked.)"""
+    """A fenced (deferred) free (``KVCacheCoordinator.pop_blocks_for_free``,
+    which the scheduler's deferred path calls, through the KV cache
+    manager, and a plain free does not): the request's blocks leave its
+    tables but stay referenced until the scheduler drains them, so they
+    pass to ``deferred:<req>``.  (The single-type managers' own
+    ``pop_blocks_for_free``, which every plain free calls, is not hooked.)"""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     if rt is None or not ret:
         return ret
-    request = args[0] if args else kwargs["request"]
-    rid = request.request_id
+    rid = args[0] if args else kwargs["request_id"]
     ck = rt.checkers.get(instance.block_pool)
     if ck is not None:
         _guard(rt, "pop_blocks_for_free", ck.on_transfer,
@@ -684,7 +685,7 @@ def targets() -> list[Target]:
         Target(_KVM, "KVCacheManager.allocate_slots", _owner_scoped(_REQUEST, "alloc"),
                owner=_REQUEST),
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
-        Target(_KVM, "KVCacheManager.pop_blocks_for_free", _pop_blocks_for_free),
+        Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),
