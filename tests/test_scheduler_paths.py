@@ -53,6 +53,19 @@ def model_output(sched, out):
                              sampled_token_ids=sampled)
 
 
+def running(*rids, token=800):
+    """A scheduler without fenced frees whose requests ``rids`` (over the
+    shared prefix) have run two steps."""
+    sched = scheduler()
+    sched.defer_block_free = False
+    for i, rid in enumerate(rids):
+        sched.add_request(request(rid, [token + i] * 5))
+    for _ in range(2):
+        out = sched.schedule()
+        sched.update_from_output(out, model_output(sched, out))
+    return sched
+
+
 def run(sched, abort_at=2, drain_twice=False):
     """Four requests over a shared prefix; at step ``abort_at`` two of them
     are aborted between ``schedule()`` and ``update_from_output()``, with
@@ -163,8 +176,7 @@ def test_free_that_keeps_the_block_table(rt):
     after the request's release path, naming the request and each block."""
     from vllm.v1.request import RequestStatus
 
-    sched = scheduler()
-    sched.defer_block_free = False
+    sched = running("S0", "S1")
     manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
     pop = manager.pop_blocks_for_free
 
@@ -175,11 +187,6 @@ def test_free_that_keeps_the_block_table(rt):
         return list(manager.req_to_blocks[request_id])  # not popped
 
     manager.pop_blocks_for_free = keeps_table
-    for i in range(2):
-        sched.add_request(request(f"S{i}", [800 + i] * 5))
-    for _ in range(2):
-        out = sched.schedule()
-        sched.update_from_output(out, model_output(sched, out))
     kept = [b.block_id for b in manager.req_to_blocks["S1"]]
     assert kinds_of(rt) == [] and kept
     sched.finish_requests(["S1"], RequestStatus.FINISHED_ABORTED)
@@ -246,13 +253,7 @@ def test_abort_that_skips_the_release(rt):
     block it still holds."""
     from vllm.v1.request import RequestStatus
 
-    sched = scheduler()
-    sched.defer_block_free = False
-    for i in range(2):
-        sched.add_request(request(f"A{i}", [820 + i] * 5))
-    for _ in range(2):
-        out = sched.schedule()
-        sched.update_from_output(out, model_output(sched, out))
+    sched = running("A0", "A1", token=820)
     held = sorted(b for b in sched.kv_cache_manager.get_block_ids("A1")[0])
     sched._free_request = lambda request, delay_free_blocks=False: sched.requests.pop(
         request.request_id) and None  # the instance attribute: kvsan's hook is bypassed
@@ -268,12 +269,7 @@ def test_fenced_free_through_the_coordinator(rt):
     path reaches through its KV cache manager): the popped blocks pass to
     ``deferred:<req>`` at once, and their later return to the pool is
     legal."""
-    sched = scheduler()
-    sched.defer_block_free = False
-    sched.add_request(request("F0", [840] * 5))
-    for _ in range(2):
-        out = sched.schedule()
-        sched.update_from_output(out, model_output(sched, out))
+    sched = running("F0", token=840)
     pool = sched.kv_cache_manager.block_pool
     sh = rt.checkers[pool].shadow
     blocks = sched.kv_cache_manager.coordinator.pop_blocks_for_free("F0")
