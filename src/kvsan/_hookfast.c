@@ -373,11 +373,12 @@ slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
  * call: (weak ref to the runtime, weak ref to the pool, producers, chains,
  * hash block size, [weights digest], known_chain, identity_hits, [make],
  * the scheduler's requests dict, the audit); the one-item lists are read on
- * every call (a weights update or a new KV dtype replaces their item).  Anything else -- another
- * runtime or pool, a Request not in the scheduler's table, a chain the
- * Python path must make, a mismatch to report, a failure of its own -- goes
- * to the Python trampoline for the whole call (the check is pure until it
- * reports, so running it there again changes nothing). */
+ * every call (a weights update or a new KV dtype replaces their item).
+ * Anything else -- another runtime or pool, a Request not in the
+ * scheduler's table, a chain the Python path must make, a mismatch to
+ * report, a failure of its own -- goes to the Python trampoline for the
+ * whole call (until it reports, the check only records: a chain started
+ * here is found there, so running it again changes nothing). */
 static PyObject *
 hits_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
