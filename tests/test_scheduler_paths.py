@@ -193,6 +193,7 @@ def test_free_that_keeps_the_block_table(rt):
     v = only(rt, "free_with_live_owners")
     assert [(x.owners, sorted(x.blocks)) for x in v] == [(["S1"], sorted(kept))]
     assert "S1" in v[0].message and "block table" in v[0].message
+    assert v[0].site.startswith("scheduler.py:"), v[0].site  # vLLM's call, not kvsan's
 
 
 def test_hit_checks_in_c_and_a_bad_key_still_reported(rt, monkeypatch):

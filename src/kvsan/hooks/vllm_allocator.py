@@ -357,11 +357,12 @@ def _owner_scoped(spec: tuple[str, str | None], tag: str):
     return wrapper
 
 
-def _stale_tables(rt, ck, sched, rid: str, site: str) -> None:
+def _stale_tables(rt, ck, sched, rid: str, site: str | None) -> None:
     """After ``rid``'s release path (finish, abort, preemption): no
     manager's block table may still list blocks for it (a free that returned
     the blocks to the pool but kept the table would hand them back to the
-    request on resume).  A dict lookup per manager when clean."""
+    request on resume).  A dict lookup per manager when clean; ``site``
+    (None: read from the stack only if there is something to report)."""
     try:
         managers = sched.kv_cache_manager.coordinator.single_type_managers
     except AttributeError:
@@ -370,7 +371,7 @@ def _stale_tables(rt, ck, sched, rid: str, site: str) -> None:
         left = m.req_to_blocks.get(rid)
         if left:
             _guard(rt, "free", ck.table_still_references, rid,
-                   [b.block_id for b in left if not b.is_null], site)
+                   [b.block_id for b in left if not b.is_null], site or call_site(1))
 
 
 def _pop_blocks_for_free(wrapped, instance, args, kwargs):
@@ -602,10 +603,10 @@ def _free_request(wrapped, instance, args, kwargs):
         status = _STATUS_TEXT.get(getattr(request, "status", None)) or _status(request)
         if rid in instance.requests:
             ck.on_request_pending_release(rid, status)
-        else:
-            site = call_site(1)
+        else:  # the call site is read only for a request with something to report
+            site = call_site(1) if ck.shadow.held.get(rid) else "?"
             ck.on_request_released(rid, status, site)
-            _stale_tables(rt, ck, instance, rid, site)
+            _stale_tables(rt, ck, instance, rid, None if site == "?" else site)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
     finally:
