@@ -614,23 +614,19 @@ def _free_request(wrapped, instance, args, kwargs):
     return ret
 
 
-def _release_path(final: bool, reason: str | None = None):
-    """After a request's release path: it must hold nothing.  ``final``:
-    the request never comes back (finish/abort), unlike a preemption."""
-
-    def wrapper(wrapped, instance, args, kwargs):
-        ret = wrapped(*args, **kwargs)
-        rt = _rt._runtime
-        ck = _scheduler_checker(rt, instance) if rt is not None else None
-        if ck is not None:
-            request = args[0] if args else kwargs["request"]
-            site = call_site(1)
-            _guard(rt, wrapped.__name__, ck.on_request_released, request.request_id,
-                   reason or _status(request), site, final)
-            _stale_tables(rt, ck, instance, request.request_id, site)
-        return ret
-
-    return wrapper
+def _preempt_request(wrapped, instance, args, kwargs):
+    """After a preemption's release path: the request must hold nothing
+    until it resumes (it comes back, so this is not its end)."""
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None:
+        request = args[0] if args else kwargs["request"]
+        site = call_site(1)
+        _guard(rt, "_preempt_request", ck.on_request_released, request.request_id,
+               "preempted", site, False)
+        _stale_tables(rt, ck, instance, request.request_id, site)
+    return ret
 
 
 def _finish_requests(wrapped, instance, args, kwargs):
@@ -690,6 +686,6 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request),
-        Target(_SCHED, "Scheduler._preempt_request", _release_path(False, "preempted")),
+        Target(_SCHED, "Scheduler._preempt_request", _preempt_request),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests),
     ]

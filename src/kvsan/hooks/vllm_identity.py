@@ -70,10 +70,6 @@ def _refresh_weights() -> None:
     _WEIGHTS[0] = digest("weights", text(_state["model"]), text(_state["weights_epoch"]))
 
 
-def _weights() -> bytes:
-    return _WEIGHTS[0]
-
-
 _refresh_weights()
 
 
