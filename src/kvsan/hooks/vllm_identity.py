@@ -201,9 +201,9 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
     ``[lo, hi)`` it registered for ``request`` (the hook's second half; the
     native allocator hook on the same method calls it as its observer).
 
-    One Python frame for the usual call (a known text-only request: its chain
-    is extended and the records are written in C); guarded as ``_guard``
-    does, inline, since this runs for every cache registration."""
+    The native cache hook makes the usual records itself (a known text-only
+    request); this runs for the rest and hands that route its state.
+    Guarded as ``_guard`` does, inline (a frame fewer per call)."""
     last = _LAST
     if rt is None or not (last[0] is rt and last[1]() is pool) and _audit(rt, pool) is None:
         return
@@ -212,16 +212,12 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
     t0 = _perf_counter()
     try:
         audit = last[2]
-        known = _identity.known_chain
-        ident = (known(_chains, request, pool.hash_block_size, hi, _MAKE[0])
-                 if known is not None else None)
-        if ident is None:
-            ident = _chain(request, pool.hash_block_size, hi)
+        ident = _chain(request, pool.hash_block_size, hi)
         fast = _hooks.SHADOWFAST
         if fast is not None and type(blocks) is list:  # the same records, read in C
             fast.identity_record(audit.producers, request.request_id, ident, _WEIGHTS[0],
                                  blocks, lo, hi)
-            hook = _NATIVE_OBSERVED[0]
+            hook, known = _NATIVE_OBSERVED[0], _identity.known_chain
             if known is not None and hook is not None:
                 # from now on the native hook makes these records itself for
                 # a request whose chain is known (kvsan._hookfast's identity_observe)
@@ -240,8 +236,9 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
 
 def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
     """Before a request is handed its prefix hits: their producers'
-    identities against the request's own (one Python frame for the usual
-    call, guarded inline as ``_guard`` does)."""
+    identities against the request's own.  The native hook takes the clean
+    calls once this has handed it its state; guarded inline as ``_guard``
+    does."""
     rt = _rt._runtime
     if rt is not None:
         pool = instance.block_pool
@@ -290,10 +287,7 @@ def _check_hits(audit, pool, args, kwargs, caller) -> bool:
         if request is None:
             raise LookupError(f"no Request {rid!r} on the calling stack")
     bs = pool.hash_block_size
-    known = _identity.known_chain
-    ident = known(_chains, request, bs, len(blocks), _MAKE[0]) if known is not None else None
-    if ident is None:
-        ident = _chain(request, bs, len(blocks))
+    ident = _chain(request, bs, len(blocks))
     weights = _WEIGHTS[0]
     fast = _hooks.SHADOWFAST
     got = (fast.identity_hits(audit.producers, ident, weights, blocks)
