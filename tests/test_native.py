@@ -263,3 +263,26 @@ def test_fast_table_does_not_keep_its_runtime_alive():
     del owner, ck
     gc.collect()
     assert gone() is None
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+def test_block_fields_read_as_slots(rt):
+    """vLLM's ``KVCacheBlock`` fields are read as slots, ``block_hash``
+    too (a property that only returns ``_block_hash``); a property that does
+    anything more is read through the property, and gives its own answer."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvsan import _shadowfast
+
+    fields = ["block_id", "ref_cnt", "prev_free_block", "is_null", "pool", "block_hash"]
+    assert _shadowfast.slot_reads(KVCacheBlock(3)) == fields
+
+    class Rehashed(KVCacheBlock):
+        __slots__ = ()
+
+        @property
+        def block_hash(self):
+            return None if self._block_hash is None else self._block_hash
+
+    assert _shadowfast.slot_reads(Rehashed(4)) == fields[:-1]
+    assert _shadowfast.slot_reads(KVCacheBlock(5)) == fields

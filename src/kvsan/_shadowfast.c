@@ -33,6 +33,7 @@
 
 #define KVSAN_SHADOWFAST_ABI 3
 
+#include <opcode.h>
 #include <structmember.h>
 #include <time.h>
 
@@ -50,6 +51,43 @@ static PyTypeObject *slot_type = NULL; /* the type the offsets belong to */
 static unsigned int slot_version = 0;
 static Py_ssize_t slot_offset[N_ATTRS];
 
+/* The slot a property only returns, or NULL.  vLLM's ``block_hash`` is
+ * ``@property def block_hash(self): return self._block_hash``: read through
+ * the property, every read runs a Python frame (a block's hash is read on
+ * every cache and last-release event).  A getter whose bytecode is exactly
+ * ``return self.<name>`` (CPython 3.11's, compared as the unspecialised
+ * code) is a read of that slot; anything else keeps the property. */
+static PyObject *
+plain_getter_slot(PyTypeObject *tp, PyObject *prop)
+{
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    static const unsigned char want[] = {RESUME, 0, LOAD_FAST, 0, LOAD_ATTR, 0, CACHE, 0,
+                                         CACHE, 0, CACHE, 0, CACHE, 0, RETURN_VALUE, 0};
+    PyObject *fget = PyObject_GetAttrString(prop, "fget");
+    if (fget == NULL) {
+        PyErr_Clear();
+        return NULL;
+    }
+    PyObject *slot = NULL;
+    if (PyFunction_Check(fget)) {
+        PyCodeObject *co = (PyCodeObject *)PyFunction_GET_CODE(fget);
+        PyObject *bytes = PyCode_GetCode(co);
+        if (bytes == NULL) {
+            PyErr_Clear();
+        } else if (co->co_argcount == 1 && PyTuple_GET_SIZE(co->co_names) == 1
+                   && PyBytes_GET_SIZE(bytes) == (Py_ssize_t)sizeof(want)
+                   && memcmp(PyBytes_AS_STRING(bytes), want, sizeof(want)) == 0) {
+            slot = _PyType_Lookup(tp, PyTuple_GET_ITEM(co->co_names, 0)); /* borrowed */
+        }
+        Py_XDECREF(bytes);
+    }
+    Py_DECREF(fget);
+    return slot;
+#else
+    return NULL;
+#endif
+}
+
 static void
 resolve_slots(PyTypeObject *tp)
 {
@@ -57,6 +95,9 @@ resolve_slots(PyTypeObject *tp)
     for (int i = 0; i < N_ATTRS; i++) {
         PyObject *d = _PyType_Lookup(tp, names[i]); /* borrowed */
         slot_offset[i] = -1;
+        if (d != NULL && Py_IS_TYPE(d, &PyProperty_Type)) {
+            d = plain_getter_slot(tp, d); /* borrowed, or NULL */
+        }
         if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
             PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
             if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
@@ -1212,6 +1253,20 @@ static PyMethodDef Table_methods[] = {
  * or None when a block's count is not an int: the full audit's view of a
  * whole pool (a million blocks: one pass of pointer loads instead of two
  * Python list comprehensions). */
+/* which of the block's fields get_field reads as a slot (tests, diagnostics) */
+static PyObject *
+slot_reads(PyObject *module, PyObject *block)
+{
+    resolve_slots(Py_TYPE(block));
+    PyObject *out = PyList_New(0);
+    for (int i = 0; out != NULL && i < N_ATTRS; i++) {
+        if (slot_version && slot_offset[i] >= 0 && PyList_Append(out, names[i]) < 0) {
+            Py_CLEAR(out);
+        }
+    }
+    return out;
+}
+
 static PyObject *
 read_pool(PyObject *module, PyObject *arg)
 {
@@ -1496,6 +1551,8 @@ static PyMethodDef module_methods[] = {
      "identity_hits(producers, ident, weights, blocks) -> (compared, mismatches) or None"},
     {"read_pool", read_pool, METH_O,
      "read_pool(blocks) -> (int64 ref counts as bytes, free-queue flags as bytes), or None"},
+    {"slot_reads", slot_reads, METH_O,
+     "slot_reads(block) -> the block fields read here as slots (the rest: getattr)"},
     {NULL, NULL, 0, NULL},
 };
 
