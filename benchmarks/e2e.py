@@ -72,7 +72,12 @@ def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) 
     state = {"round": 0, "res": None, "rounds": [], "kvsan": (0.0, 0.0)}
 
     def own_time():
-        return (rt.overhead_s, rt.device_s) if rt is not None else (0.0, 0.0)
+        if rt is None:
+            return (0.0, 0.0)
+        from kvsan.hooks import flush_overhead
+
+        flush_overhead()
+        return (rt.overhead_s, rt.device_s)
 
     def start_round():
         state["gen"] = traffic.steps(llm, seed, groups, per_group, prefix=f"{state['round']}:")

@@ -34,7 +34,7 @@ def test_native_hooks_are_installed(rt):
 
     from kvsan import _hookfast, hooks
 
-    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 3
+    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 4
     for attr in HOOKED:
         hook = BlockPool.__dict__[attr]
         assert hooks.native_hook(hook) is hook, attr
@@ -155,3 +155,21 @@ def test_kvsan_not_running_is_a_plain_call(rt):
     with as_owner("X"):  # and observed again once kvsan runs
         pool.free_blocks(pool.get_new_blocks(1))
     assert ck.counters["allocated"] == 1 and ck.counters["released"] == 1
+
+
+def test_own_time_reaches_the_runtime_when_flushed(rt):
+    """The native route keeps its own time and adds it to the runtime's
+    ``overhead_s`` (kvsan_overhead_seconds_total) when flushed, as the
+    metrics refresh does; a runtime that is switched off is flushed first."""
+    from kvsan import hooks
+
+    m = make_manager(16)
+    a = make_request(list(range(48)) + [1], "A")
+    schedule(m, a)
+    m.free(a)
+    before = rt.overhead_s  # the Python hooks' time, added as they go
+    hooks.flush_overhead()
+    assert rt.overhead_s > before  # the native route's, kept in C until now
+    after = rt.overhead_s
+    hooks.flush_overhead()  # nothing pending: unchanged
+    assert rt.overhead_s == after

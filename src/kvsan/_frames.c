@@ -81,6 +81,50 @@ engine_frame(_PyInterpreterFrame *f, int *err)
     return NULL;
 }
 
+/* Direct-mapped caches in front of the two dicts, keyed by the code
+ * object's address: a dict lookup needs a key object (an int, or a tuple
+ * of two) made and hashed per frame, and an event walks several frames.
+ * Entries hold strong references to their code objects, so an address in
+ * the cache is never reused by another code object.  The site texts never
+ * change once made; the owner-slot entries are dropped when that dict
+ * changes (its version tag), and both when configure() is called again. */
+#define CACHE_SIZE 256 /* a power of two */
+
+typedef struct {
+    PyObject *code; /* strong */
+    int lasti;
+    PyObject *text; /* strong */
+} SiteEntry;
+
+typedef struct {
+    PyObject *code;  /* strong */
+    PyObject *entry; /* strong: the dict's (code, slot, attr) tuple, or NULL: none */
+} OwnerEntry;
+
+static SiteEntry site_cache[CACHE_SIZE];
+static OwnerEntry owner_cache[CACHE_SIZE];
+static uint64_t owner_cache_version = 0;
+
+static inline size_t
+cache_index(PyObject *code, int lasti)
+{
+    uintptr_t p = (uintptr_t)code;
+    return (size_t)(((p >> 4) ^ (p >> 12) ^ (uintptr_t)lasti * 0x9E3779B1u) & (CACHE_SIZE - 1));
+}
+
+static void
+clear_caches(void)
+{
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        Py_CLEAR(site_cache[i].code);
+        Py_CLEAR(site_cache[i].text);
+        Py_CLEAR(owner_cache[i].code);
+        Py_CLEAR(owner_cache[i].entry);
+    }
+}
+
+static PyObject *site_lookup(PyObject *code, int lasti);
+
 /* new reference: the memoised 'file:function:line' text of the frame's
  * current position */
 static PyObject *
@@ -91,6 +135,22 @@ site_of(_PyInterpreterFrame *f)
     }
     PyObject *code = (PyObject *)f->f_code;
     int lasti = _PyInterpreterFrame_LASTI(f);
+    SiteEntry *e = &site_cache[cache_index(code, lasti)];
+    if (e->code == code && e->lasti == lasti) {
+        return Py_NewRef(e->text);
+    }
+    PyObject *text = site_lookup(code, lasti);
+    if (text != NULL && PyUnicode_CheckExact(text)) {
+        Py_XSETREF(e->code, Py_NewRef(code));
+        Py_XSETREF(e->text, Py_NewRef(text));
+        e->lasti = lasti;
+    }
+    return text;
+}
+
+static PyObject *
+site_lookup(PyObject *code, int lasti)
+{
     long lasti_bytes = lasti < 0 ? -1 : (long)lasti * (long)sizeof(_Py_CODEUNIT);
     PyObject *key = Py_BuildValue("(Nl)", PyLong_FromVoidPtr(code), lasti_bytes);
     if (key == NULL) {
@@ -120,18 +180,34 @@ site_of(_PyInterpreterFrame *f)
 static PyObject *
 owner_of(_PyInterpreterFrame *f)
 {
+    uint64_t version = ((PyDictObject *)owner_slots)->ma_version_tag;
+    if (version != owner_cache_version) {
+        for (int i = 0; i < CACHE_SIZE; i++) {
+            Py_CLEAR(owner_cache[i].code);
+            Py_CLEAR(owner_cache[i].entry);
+        }
+        owner_cache_version = version;
+    }
     for (int i = 0; i < owner_depth && f != NULL; i++, f = complete(f->previous)) {
         PyObject *code = (PyObject *)f->f_code;
-        PyObject *id = PyLong_FromVoidPtr(code);
-        if (id == NULL) {
-            return NULL;
-        }
-        PyObject *entry = PyDict_GetItemWithError(owner_slots, id); /* borrowed */
-        Py_DECREF(id);
-        if (entry == NULL) {
-            if (PyErr_Occurred()) {
+        OwnerEntry *oe = &owner_cache[cache_index(code, 0)];
+        PyObject *entry; /* borrowed */
+        if (oe->code == code) {
+            entry = oe->entry;
+        } else {
+            PyObject *id = PyLong_FromVoidPtr(code);
+            if (id == NULL) {
                 return NULL;
             }
+            entry = PyDict_GetItemWithError(owner_slots, id);
+            Py_DECREF(id);
+            if (entry == NULL && PyErr_Occurred()) {
+                return NULL;
+            }
+            Py_XSETREF(oe->code, Py_NewRef(code));
+            Py_XSETREF(oe->entry, Py_XNewRef(entry));
+        }
+        if (entry == NULL) {
             continue;
         }
         if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3
@@ -275,6 +351,8 @@ frames_configure(PyObject *self, PyObject *args)
                         "callable, owner slots dict, owner depth)");
         return NULL;
     }
+    clear_caches();
+    owner_cache_version = 0;
     Py_XSETREF(trampoline_code, Py_NewRef(tcode));
     Py_XSETREF(hooks_prefix, Py_NewRef(prefix));
     Py_XSETREF(sites, Py_NewRef(sites_));

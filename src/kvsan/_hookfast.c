@@ -38,7 +38,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 3
+#define KVSAN_HOOKFAST_ABI 4
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_N = 5 };
 
@@ -83,26 +83,52 @@ now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* rt.overhead_s += dt (kvsan_overhead_seconds_total), as the guard does */
+/* kvsan's own time in these hooks is kept here and added to the runtime's
+ * ``overhead_s`` (kvsan_overhead_seconds_total) in one go, when another
+ * runtime's call comes or flush_overhead() is called (before the metrics
+ * read it): an attribute read, a float and an attribute write per event
+ * cost more than the timer.  A weak reference: a runtime that goes away
+ * takes its unflushed time with it. */
+static PyObject *ov_ref = NULL;
+static double ov_pending = 0.0;
+
+static int
+flush(void)
+{
+    PyObject *rt = ov_ref != NULL ? PyWeakref_GET_OBJECT(ov_ref) : Py_None;
+    if (rt == Py_None || ov_pending == 0.0) {
+        ov_pending = 0.0;
+        return 0;
+    }
+    Py_INCREF(rt);
+    double dt = ov_pending;
+    ov_pending = 0.0;
+    PyObject *old = PyObject_GetAttr(rt, s_overhead_s);
+    double v = old == NULL ? -1.0 : PyFloat_AsDouble(old);
+    Py_XDECREF(old);
+    PyObject *new = (v == -1.0 && PyErr_Occurred()) ? NULL : PyFloat_FromDouble(v + dt);
+    int r = new == NULL ? -1 : PyObject_SetAttr(rt, s_overhead_s, new);
+    Py_XDECREF(new);
+    Py_DECREF(rt);
+    return r;
+}
+
 static int
 add_overhead(PyObject *rt, double dt)
 {
-    PyObject *old = PyObject_GetAttr(rt, s_overhead_s);
-    if (old == NULL) {
-        return -1;
+    if (ov_ref == NULL || PyWeakref_GET_OBJECT(ov_ref) != rt) {
+        int r = flush();
+        PyObject *ref = PyWeakref_NewRef(rt, NULL);
+        if (ref == NULL) {
+            return -1;
+        }
+        Py_XSETREF(ov_ref, ref);
+        if (r < 0) {
+            return -1;
+        }
     }
-    double v = PyFloat_AsDouble(old);
-    Py_DECREF(old);
-    if (v == -1.0 && PyErr_Occurred()) {
-        return -1;
-    }
-    PyObject *new = PyFloat_FromDouble(v + dt);
-    if (new == NULL) {
-        return -1;
-    }
-    int r = PyObject_SetAttr(rt, s_overhead_s, new);
-    Py_DECREF(new);
-    return r;
+    ov_pending += dt;
+    return 0;
 }
 
 /* the pending exception went to error_fn: 0 handled (counted), -1 raised */
@@ -894,7 +920,18 @@ hookfast_enable(PyObject *self, PyObject *on)
     return PyBool_FromLong(enabled);
 }
 
+static PyObject *
+flush_overhead(PyObject *self, PyObject *unused)
+{
+    if (flush() < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef hookfast_methods[] = {
+    {"flush_overhead", flush_overhead, METH_NOARGS,
+     "flush_overhead(): add kvsan's time in these hooks to its runtime's overhead_s"},
     {"configure", hookfast_configure, METH_VARARGS,
      "configure(runtime_globals, context, checker, on_error): what the hooks read"},
     {"enable", hookfast_enable, METH_O,

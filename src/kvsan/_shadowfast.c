@@ -652,18 +652,71 @@ bookkeep(Table *t, int counter, Py_ssize_t k, Py_ssize_t evicted, PyObject *owne
     return held_add(t, owner, k, sign, step);
 }
 
+/* METH_FASTCALL arguments, checked as PyArg_ParseTuple's "O!" (a list),
+ * "U" (a str) and "i" (an int) would (its tuple and format string cost more
+ * than the event itself on a small call) */
+static int
+n_args(const char *fn, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs == want) {
+        return 1;
+    }
+    PyErr_Format(PyExc_TypeError, "%s() takes exactly %zd arguments (%zd given)", fn, want,
+                 nargs);
+    return 0;
+}
+
+static int
+list_arg(const char *fn, int pos, PyObject *o)
+{
+    if (PyList_Check(o)) {
+        return 1;
+    }
+    PyErr_Format(PyExc_TypeError, "%s() argument %d must be list, not %.50s", fn, pos,
+                 Py_TYPE(o)->tp_name);
+    return 0;
+}
+
+static int
+str_arg(const char *fn, int pos, PyObject *o)
+{
+    if (PyUnicode_Check(o)) {
+        return 1;
+    }
+    PyErr_Format(PyExc_TypeError, "%s() argument %d must be str, not %.50s", fn, pos,
+                 Py_TYPE(o)->tp_name);
+    return 0;
+}
+
+static int
+int_arg(const char *fn, int pos, PyObject *o, int *out)
+{
+    long v = PyLong_Check(o) ? PyLong_AsLong(o) : -1;
+    if (!PyLong_Check(o) || (v == -1 && PyErr_Occurred()) || v < INT_MIN || v > INT_MAX) {
+        if (!PyErr_Occurred() || PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s() argument %d must be an int in C int range", fn,
+                         pos);
+        }
+        return 0;
+    }
+    *out = (int)v;
+    return 1;
+}
+
 /* the arguments every event method takes: (blocks, owner, step, site), and a
  * scratch array for the block ids of the call (NULL with an exception) */
 static Py_ssize_t *
-event_args(Table *t, PyObject *args, PyObject **blocks, PyObject **owner, int *step,
-           int *site)
+event_args(Table *t, const char *fn, PyObject *const *args, Py_ssize_t nargs,
+           PyObject **blocks, PyObject **owner, int *step, int *site)
 {
-    PyObject *site_obj;
-    if (!PyArg_ParseTuple(args, "O!UiO", &PyList_Type, blocks, owner, step, &site_obj)
-        || !table_ok(t)) {
+    if (!n_args(fn, nargs, 4) || !list_arg(fn, 1, args[0]) || !str_arg(fn, 2, args[1])
+        || !int_arg(fn, 3, args[2], step) || !table_ok(t)) {
         return NULL;
     }
-    *site = site_id(t, site_obj);
+    *blocks = args[0];
+    *owner = args[1];
+    *site = site_id(t, args[3]);
     if (*site == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -679,11 +732,11 @@ event_args(Table *t, PyObject *args, PyObject **blocks, PyObject **owner, int *s
  * (not clean: run the Python checker).  Fresh blocks from the free queue:
  * each unowned in the table, engine count 1, met once. */
 static PyObject *
-Table_allocate(Table *t, PyObject *args)
+Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *blocks, *owner;
     int step, site;
-    Py_ssize_t *ids = event_args(t, args, &blocks, &owner, &step, &site);
+    Py_ssize_t *ids = event_args(t, "allocate", args, nargs, &blocks, &owner, &step, &site);
     if (ids == NULL) {
         return NULL;
     }
@@ -770,11 +823,11 @@ error_nomarks:
  * cached), or None.  Prefix hits: each non-null block met once, out of the
  * free queue, its engine count one more than its owners. */
 static PyObject *
-Table_share(Table *t, PyObject *args)
+Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *blocks, *owner;
     int step, site;
-    Py_ssize_t *ids = event_args(t, args, &blocks, &owner, &step, &site);
+    Py_ssize_t *ids = event_args(t, "share", args, nargs, &blocks, &owner, &step, &site);
     if (ids == NULL) {
         return NULL;
     }
@@ -885,12 +938,12 @@ error_nomarks:
  * pool, a block met twice, a non-int count): the hook then reads the
  * blocks itself. */
 static PyObject *
-Table_snapshot(Table *t, PyObject *args)
+Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *blocks, *pool;
-    if (!PyArg_ParseTuple(args, "O!O", &PyList_Type, &blocks, &pool) || !table_ok(t)) {
+    if (!n_args("snapshot", nargs, 2) || !list_arg("snapshot", 1, args[0]) || !table_ok(t)) {
         return NULL;
     }
+    PyObject *blocks = args[0], *pool = args[1];
     Py_ssize_t k = PyList_GET_SIZE(blocks);
     PyObject *out = PyList_New(k);
     if (out == NULL) {
@@ -969,16 +1022,16 @@ Table_snapshot(Table *t, PyObject *args)
  * left equals the owners left, and a block back in the free queue was not
  * in it before and has no owner left. */
 static PyObject *
-Table_release(Table *t, PyObject *args)
+Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *blocks, *snap, *owner, *site_obj;
     int step;
-    if (!PyArg_ParseTuple(args, "O!O!UiO", &PyList_Type, &blocks, &PyList_Type, &snap, &owner,
-                          &step, &site_obj)
-        || !table_ok(t)) {
+    if (!n_args("release", nargs, 5) || !list_arg("release", 1, args[0])
+        || !list_arg("release", 2, args[1]) || !str_arg("release", 3, args[2])
+        || !int_arg("release", 4, args[3], &step) || !table_ok(t)) {
         return NULL;
     }
-    int site = site_id(t, site_obj);
+    PyObject *blocks = args[0], *snap = args[1], *owner = args[2];
+    int site = site_id(t, args[4]);
     if (site == -1 && PyErr_Occurred()) {
         return NULL;
     }
@@ -1233,15 +1286,15 @@ error:
 }
 
 static PyMethodDef Table_methods[] = {
-    {"allocate", (PyCFunction)Table_allocate, METH_VARARGS,
+    {"allocate", (PyCFunction)(void (*)(void))Table_allocate, METH_FASTCALL,
      "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean; "
      "site: a call site, interned here)"},
-    {"share", (PyCFunction)Table_share, METH_VARARGS,
+    {"share", (PyCFunction)(void (*)(void))Table_share, METH_FASTCALL,
      "share(blocks, owner, step, site) -> (taken, newly owned, of them cached), or None"
      " (site: a call site, interned here)"},
-    {"snapshot", (PyCFunction)Table_snapshot, METH_VARARGS,
+    {"snapshot", (PyCFunction)(void (*)(void))Table_snapshot, METH_FASTCALL,
      "snapshot(blocks, pool) -> [ref << 1 | linked or None per block], or None"},
-    {"release", (PyCFunction)Table_release, METH_VARARGS,
+    {"release", (PyCFunction)(void (*)(void))Table_release, METH_FASTCALL,
      "release(blocks, snap, owner, step, site) -> (dropped, freed ids, unowned, of them "
      "cached), or None (site: a call site, interned here)"},
     {"cache", (PyCFunction)Table_cache, METH_O,

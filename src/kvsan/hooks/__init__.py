@@ -265,6 +265,7 @@ def use_native(on: bool = True) -> bool:
 
     NATIVE = SHADOWFAST = None
     if HOOKFAST is not None:  # hooks already installed send every call to Python
+        HOOKFAST.flush_overhead()
         HOOKFAST.enable(False)
         HOOKFAST = None
     checks = identity.use_native(on) & native.use_devicefast(on)  # both, always
@@ -275,11 +276,18 @@ def use_native(on: bool = True) -> bool:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", 3)
-    hookfast = native.load("_hookfast", 3)
+    hookfast = native.load("_hookfast", 4)
     if hookfast is not None and NATIVE is not None and SHADOWFAST is not None:
         hookfast.configure(vars(_runtime), NATIVE.context, pool_checker, guard_failed)
         HOOKFAST, _HOOK_TYPE = hookfast, hookfast.Hook
     return NATIVE is not None and SHADOWFAST is not None and HOOKFAST is not None and checks
+
+
+def flush_overhead() -> None:
+    """Add the time kept in ``kvsan._hookfast`` to its runtime's
+    ``overhead_s``: call before reading it."""
+    if HOOKFAST is not None:
+        HOOKFAST.flush_overhead()
 
 
 #: one-entry cache in front of ``rt.checkers`` (a WeakKeyDictionary, whose

@@ -534,6 +534,7 @@ def _schedule(wrapped, instance, args, kwargs):
                 if now >= rt.metrics_due:  # gauges are scraped, not read per step
                     rt.metrics_due = now + METRICS_PERIOD_S
                     rt.metrics.update_pool(ck.shadow.stats())
+                    _hooks.flush_overhead()
                     rt.metrics.flush_counters(rt.overhead_s, rt.step)
         except Exception as e:  # noqa: BLE001 - report first, never mask
             guard_failed(rt, "schedule", e)  # a violation (raise / abort modes) propagates
@@ -560,6 +561,7 @@ def _update_from_output(wrapped, instance, args, kwargs):
             stats = ck.shadow.stats()
             if rt.metrics is not None:
                 _guard(rt, "metrics", rt.metrics.update_pool, stats)
+                _hooks.flush_overhead()
                 _guard(rt, "metrics", rt.metrics.flush_counters, rt.overhead_s, rt.step)
             rt.reporter.event("kvsan.idle", step=rt.step, pid=rt.pid, role=rt.role,
                               pool=stats, movements=dict(ck.counters))
