@@ -279,3 +279,53 @@ def test_fenced_free_through_the_coordinator(rt):
     assert not sh.held.get("F0")
     pool.free_blocks(reversed(blocks))
     assert kinds_of(rt) == [] and not sh.held.get("deferred:F0")
+
+
+def test_request_ends_checked_in_c_and_faults_still_reported(rt):
+    """Once the Python check has handled a request end, the native hook on
+    ``Scheduler._free_request`` files clean ends itself (with the C paths
+    on); an end with something to report is still reported, with the same
+    kind, request, blocks and vLLM call site: a free that keeps the block
+    table, then a free that never returns the blocks."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from kvsan import hooks
+
+    hook = hooks.native_hook(Scheduler.__dict__["_free_request"])
+    sched = running("E0", "E1", "E2", "E3", token=840)
+    ck = rt.checkers[sched.kv_cache_manager.block_pool]
+    sched.finish_requests(["E0"], RequestStatus.FINISHED_ABORTED)  # the Python check
+    calls = hook.calls if hook is not None else 0
+    sched.finish_requests(["E1"], RequestStatus.FINISHED_ABORTED)
+    if hook is not None:
+        assert hook.state is not None and hook.calls == calls + 1  # E1's end, in C
+    assert ck.recent_ends["E1"][0] == "finished_aborted" and kinds_of(rt) == []
+
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    pop = manager.pop_blocks_for_free
+
+    def faulty(request_id):
+        if request_id == "E2":  # the blocks go back, the table stays
+            manager.num_cached_block.pop(request_id, None)
+            return list(manager.req_to_blocks[request_id])
+        if request_id == "E3":  # the table goes, the blocks are never freed
+            manager.num_cached_block.pop(request_id, None)
+            manager.req_to_blocks.pop(request_id)
+            return []
+        return pop(request_id)
+
+    manager.pop_blocks_for_free = faulty
+    kept = sorted(b.block_id for b in manager.req_to_blocks["E2"])
+    sched.finish_requests(["E2"], RequestStatus.FINISHED_ABORTED)
+    v = only(rt, "free_with_live_owners")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["E2"], kept)]
+    assert v[0].site.startswith("scheduler.py:"), v[0].site
+    rt.clear()
+    held = sorted(b.block_id for b in manager.req_to_blocks["E3"])
+    sched.finish_requests(["E3"], RequestStatus.FINISHED_ABORTED)
+    v = only(rt, "leaked_blocks")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["E3"], held)]
+    assert v[0].site.startswith("scheduler.py:"), v[0].site
+    if hook is not None:
+        assert hook.calls == calls + 1  # both faults went to the Python check

@@ -40,7 +40,7 @@
 
 #define KVSAN_HOOKFAST_ABI 4
 
-enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_N = 5 };
+enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5, K_N = 6 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -57,7 +57,8 @@ static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
 static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
-    *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *zero;
+    *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
+    *s_requests, *s_req_to_blocks, *zero;
 
 typedef struct {
     PyObject_HEAD
@@ -69,6 +70,7 @@ typedef struct {
     PyObject *observer; /* K_CACHE: a further hook's second half, or None */
     PyObject *identity; /* K_CACHE / K_HITS: the identity audit's clean route in C,
                          * or None (see identity_observe, hits_call) */
+    PyObject *state;    /* K_END: the request-end check's state (see end_call), or None */
     PyObject *dict;     /* __dict__ (__wrapped__, __name__, __kvsan_patched__) */
     vectorcallfunc vectorcall;
     unsigned long long calls; /* calls that took the native route */
@@ -391,6 +393,140 @@ slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
 
 #define SLOW() slow_call(h, rt, args, nargsf, kwnames)
 
+/* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
+ * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
+ * for the clean case -- the scheduler no longer tracks the request (no
+ * delayed free), no delayed free is pending at all, the request holds
+ * nothing in the shadow table and no manager's block table still lists it
+ * -- where it only files the end (``recent_ends``, as
+ * AllocatorChecker._note_end does).  ``h->state`` is set by that Python
+ * function once it handled a call: (weak ref to the runtime, weak ref to
+ * the scheduler, recent_ends, shadow.held, pending_release, status -> text,
+ * RECENT_ENDS, the scheduler's single-type managers).  Anything else -- no
+ * state for this runtime or scheduler, a status not seen yet, something to
+ * report, a failure of its own -- goes to ``post(scheduler, request)``, the
+ * Python check, which decides. */
+static int
+end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
+{
+    PyObject *rid = NULL, *status = NULL, *requests = NULL, *step = NULL, *value = NULL;
+    int ok = 0;
+    PyObject *ends = PyTuple_GET_ITEM(st, 2), *held = PyTuple_GET_ITEM(st, 3);
+    PyObject *pending = PyTuple_GET_ITEM(st, 4), *texts = PyTuple_GET_ITEM(st, 5);
+    PyObject *managers = PyTuple_GET_ITEM(st, 7);
+    Py_ssize_t most = PyLong_AsSsize_t(PyTuple_GET_ITEM(st, 6));
+    if (most < 1 || PyDict_GET_SIZE(pending) != 0) {
+        goto out;
+    }
+    rid = PyObject_GetAttr(request, s_request_id);
+    status = rid == NULL ? NULL : PyObject_GetAttr(request, s_status);
+    requests = status == NULL ? NULL : PyObject_GetAttr(sched, s_requests);
+    if (requests == NULL || !PyUnicode_CheckExact(rid) || !PyDict_CheckExact(requests)) {
+        goto out;
+    }
+    PyObject *text = PyDict_GetItemWithError(texts, status); /* borrowed */
+    if (text == NULL || PyDict_Contains(requests, rid) != 0) {
+        goto out; /* a status not seen yet, or a delayed free */
+    }
+    PyObject *n = PyDict_GetItemWithError(held, rid);
+    if (n != NULL || PyErr_Occurred()) {
+        goto out; /* it still holds blocks (or an entry kvsan's Python reads) */
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(managers); i++) {
+        PyObject *tables = PyObject_GetAttr(PyTuple_GET_ITEM(managers, i), s_req_to_blocks);
+        if (tables == NULL || !PyDict_Check(tables)) {
+            Py_XDECREF(tables);
+            goto out;
+        }
+        PyObject *left = PyDict_GetItemWithError(tables, rid);
+        int stale = left == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(left);
+        Py_DECREF(tables);
+        if (stale != 0) {
+            goto out;
+        }
+    }
+    /* clean: ends.pop(rid, None); ends[rid] = (text, rt.step); trimmed */
+    step = PyObject_GetAttr(rt, s_step);
+    value = step == NULL ? NULL : PyTuple_Pack(2, text, step);
+    if (value == NULL) {
+        goto out;
+    }
+    PyObject *gone = _PyDict_Pop(ends, rid, Py_None);
+    if (gone == NULL) {
+        goto out;
+    }
+    Py_DECREF(gone);
+    if (PyDict_SetItem(ends, rid, value) < 0) {
+        goto out;
+    }
+    if (PyDict_GET_SIZE(ends) > most) {
+        Py_ssize_t pos = 0;
+        PyObject *first, *v;
+        if (PyDict_Next(ends, &pos, &first, &v)) {
+            Py_INCREF(first);
+            int r = PyDict_DelItem(ends, first);
+            Py_DECREF(first);
+            if (r < 0) {
+                goto out;
+            }
+        }
+    }
+    ok = 1;
+out:
+    PyErr_Clear();
+    Py_XDECREF(rid);
+    Py_XDECREF(status);
+    Py_XDECREF(requests);
+    Py_XDECREF(step);
+    Py_XDECREF(value);
+    return ok;
+}
+
+static PyObject *
+end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *st = h->state;
+    PyObject *request = arg(args, nargs, kwnames, 1, s_request); /* borrowed */
+    if (st == Py_None || request == NULL
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != args[0]) {
+        return SLOW();
+    }
+    Py_INCREF(rt);
+    Py_INCREF(st); /* the call may replace it */
+    Py_INCREF(request);
+    PyObject *sched = Py_NewRef(args[0]);
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) {
+        double t0 = now();
+        PyObject *cur = PyDict_GetItemWithError(rt_globals, s_runtime);
+        int done = cur == rt && end_clean(st, rt, sched, request);
+        PyErr_Clear();
+        double dt = now() - t0;
+        if (done) {
+            h->calls++;
+            h->seconds += dt;
+            if (add_overhead(rt, dt) < 0) {
+                PyErr_Clear();
+            }
+        } else {
+            PyObject *pargv[2] = {sched, request};
+            PyObject *r = PyObject_Vectorcall(h->post, pargv, 2, NULL);
+            if (r == NULL) { /* a violation raised (raise / abort mode) */
+                Py_CLEAR(ret);
+            } else {
+                Py_DECREF(r);
+            }
+        }
+    }
+    Py_DECREF(request);
+    Py_DECREF(sched);
+    Py_DECREF(st);
+    Py_DECREF(rt);
+    return ret;
+}
+
 /* K_HITS: ``KVCacheCoordinator.allocate_new_computed_blocks(request_id,
  * new_computed_blocks, ...)``, before vLLM's method runs: the identity
  * audit's hit check (kvsan.hooks.vllm_identity._check_hits) for a request
@@ -513,6 +649,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     if (h->kind == K_HITS) {
         return hits_call(h, rt, args, nargsf, kwnames);
+    }
+    if (h->kind == K_END) {
+        return end_call(h, rt, args, nargsf, kwnames);
     }
     /* which calls this route takes: the shapes vLLM 0.32 makes */
     PyObject *blocks = NULL, *lo = NULL, *hi = NULL, *request = NULL;
@@ -751,6 +890,7 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     h->where = Py_NewRef(where);
     h->observer = Py_NewRef(Py_None);
     h->identity = Py_NewRef(Py_None);
+    h->state = Py_NewRef(Py_None);
     h->vectorcall = hook_vectorcall;
     return (PyObject *)h;
 }
@@ -763,6 +903,7 @@ hook_traverse(Hook *h, visitproc visit, void *arg)
     Py_VISIT(h->post);
     Py_VISIT(h->observer);
     Py_VISIT(h->identity);
+    Py_VISIT(h->state);
     Py_VISIT(h->dict);
     return 0;
 }
@@ -775,6 +916,7 @@ hook_clear(Hook *h)
     Py_CLEAR(h->post);
     Py_CLEAR(h->observer);
     Py_CLEAR(h->identity);
+    Py_CLEAR(h->state);
     Py_CLEAR(h->dict);
     return 0;
 }
@@ -839,6 +981,38 @@ hook_set_identity(Hook *h, PyObject *value, void *closure)
 }
 
 static PyObject *
+hook_get_state(Hook *h, void *closure)
+{
+    return Py_NewRef(h->state);
+}
+
+static int
+hook_set_state(Hook *h, PyObject *value, void *closure)
+{
+    if (value == NULL) {
+        value = Py_None;
+    }
+    int ok = value == Py_None;
+    if (!ok && h->kind == K_END && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 8) {
+        ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
+             && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
+        for (int i = 2; i < 6; i++) {
+            ok &= PyDict_CheckExact(PyTuple_GET_ITEM(value, i));
+        }
+        ok &= PyLong_CheckExact(PyTuple_GET_ITEM(value, 6))
+              && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
+    }
+    if (!ok) {
+        PyErr_SetString(PyExc_TypeError,
+                        "state: None, or for an END hook (weak ref, weak ref, dict, dict, dict, "
+                        "dict, int, tuple)");
+        return -1;
+    }
+    Py_XSETREF(h->state, Py_NewRef(value));
+    return 0;
+}
+
+static PyObject *
 hook_get_calls(Hook *h, void *closure)
 {
     return PyLong_FromUnsignedLongLong(h->calls);
@@ -864,6 +1038,8 @@ static PyGetSetDef hook_getset[] = {
      "known_chain, identity_record); K_HITS: (the same first six, known_chain, "
      "identity_hits, [make], the scheduler's requests, the audit)",
      NULL},
+    {"state", (getter)hook_get_state, (setter)hook_set_state,
+     "END: the request-end check's state in C (see _request_ended), or None", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
@@ -979,6 +1155,9 @@ PyInit__hookfast(void)
     INTERN(s_new_computed_blocks, "new_computed_blocks");
     INTERN(s_block_pool, "block_pool");
     INTERN(s_checked, "checked");
+    INTERN(s_status, "status");
+    INTERN(s_requests, "requests");
+    INTERN(s_req_to_blocks, "req_to_blocks");
     if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
@@ -992,7 +1171,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "TOUCH", K_TOUCH) < 0
         || PyModule_AddIntConstant(m, "RELEASE", K_RELEASE) < 0
         || PyModule_AddIntConstant(m, "CACHE", K_CACHE) < 0
-        || PyModule_AddIntConstant(m, "HITS", K_HITS) < 0) {
+        || PyModule_AddIntConstant(m, "HITS", K_HITS) < 0
+        || PyModule_AddIntConstant(m, "END", K_END) < 0) {
         Py_DECREF(m);
         return NULL;
     }

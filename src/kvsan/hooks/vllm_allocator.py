@@ -589,31 +589,57 @@ def _status(request) -> str:
 
 
 def _free_request(wrapped, instance, args, kwargs):
-    """After a finished request's release: it must hold nothing, unless the
+    """After a finished request's release (the Python route; the native
+    hook, ``kvsan._hookfast``'s END kind, checks the clean case in C and
+    hands the rest to :func:`_request_ended`)."""
+    ret = wrapped(*args, **kwargs)
+    _request_ended(instance, args[0] if args else kwargs["request"])
+    return ret
+
+
+def _request_ended(sched, request) -> None:
+    """A request's release path ran: it must hold nothing, unless the
     engine delays its free (it then still tracks the request; the free that
     follows is checked by :func:`_update_from_output`).  Guarded inline, as
     ``_guard`` does: this runs once per request end."""
-    ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    ck = _scheduler_checker(rt, sched) if rt is not None else None
     if ck is None:
-        return ret
+        return
     t0 = _perf_counter()
     try:
-        request = args[0] if args else kwargs["request"]
         rid = request.request_id
         status = _STATUS_TEXT.get(getattr(request, "status", None)) or _status(request)
-        if rid in instance.requests:
+        if rid in sched.requests:
             ck.on_request_pending_release(rid, status)
         else:  # the call site is read only for a request with something to report
             site = call_site(1) if ck.shadow.held.get(rid) else "?"
             ck.on_request_released(rid, status, site)
-            _stale_tables(rt, ck, instance, rid, None if site == "?" else site)
+            _stale_tables(rt, ck, sched, rid, None if site == "?" else site)
+        if _hooks.HOOKFAST is not None:
+            _hand_ends_to_native(rt, sched, ck)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
     finally:
         rt.overhead_s += _perf_counter() - t0
-    return ret
+
+
+def _hand_ends_to_native(rt, sched, ck) -> None:
+    """From now on the native hook on ``_free_request`` (when there is one)
+    checks ``sched``'s clean request ends itself (kvsan._hookfast's
+    end_call), with the same dicts as here."""
+    hook = _hooks.native_hook(getattr(type(sched), "_free_request", None))
+    if hook is None:
+        return
+    st = hook.state
+    if st is not None and st[0]() is rt and st[1]() is sched:
+        return
+    try:
+        managers = tuple(sched.kv_cache_manager.coordinator.single_type_managers)
+        hook.state = (weakref.ref(rt), weakref.ref(sched), ck.recent_ends, ck.shadow.held,
+                      ck.pending_release, _STATUS_TEXT, ck.RECENT_ENDS, managers)
+    except (AttributeError, TypeError):  # another scheduler layout: Python checks it
+        pass
 
 
 def _preempt_request(wrapped, instance, args, kwargs):
@@ -687,7 +713,7 @@ def targets() -> list[Target]:
         Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_SCHED, "Scheduler.schedule", _schedule),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
-        Target(_SCHED, "Scheduler._free_request", _free_request),
+        Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
         Target(_SCHED, "Scheduler._preempt_request", _preempt_request),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests),
     ]
