@@ -102,11 +102,12 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
     def extra():
         from vllm.v1.core.block_pool import BlockPool
         from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
+        from vllm.v1.core.sched.scheduler import Scheduler
 
         from kvsan.hooks import native_hook
 
         out = {k: v for k, v in acc.items()}
-        for cls in (BlockPool, KVCacheCoordinator):  # kvsan._hookfast's own counts
+        for cls in (BlockPool, KVCacheCoordinator, Scheduler):  # kvsan._hookfast's own counts
             for attr, fn in vars(cls).items():
                 hook = native_hook(fn)
                 if hook is not None:
