@@ -173,3 +173,25 @@ def test_own_time_reaches_the_runtime_when_flushed(rt):
     after = rt.overhead_s
     hooks.flush_overhead()  # nothing pending: unchanged
     assert rt.overhead_s == after
+
+
+def test_counts_kept_in_c_are_settled_when_read(rt):
+    """The native route keeps the event counters and the shadow's totals as
+    C integers; reading them (the checker's ``counters``, the shadow's
+    ``n_owned`` / ``n_cached_free``, its stats) adds them first, so every
+    reader sees what the table holds."""
+    m = make_manager(16)
+    ck = rt.checkers[m.block_pool]
+    a, b = make_request(list(range(48)) + [1], "A"), make_request(list(range(48)) + [2], "B")
+    schedule(m, a)
+    schedule(m, b)
+    sh = ck.shadow
+    assert sh._n_owned == 0 and ck._counters["allocated"] == 0  # kept in C so far
+    owned = sum(o is not None for o in sh.own0)
+    assert sh.n_owned == owned == 5 and sh._n_owned == owned  # read: settled
+    assert ck.counters["allocated"] == 5 and ck.counters["shared"] == 3
+    m.free(a)
+    m.free(b)
+    stats = sh.stats()
+    assert stats["live_owned"] == 0 and stats["cached_evictable"] == 3
+    assert ck.counters["released"] == 8 and kinds_of(rt) == []

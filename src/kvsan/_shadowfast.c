@@ -147,6 +147,9 @@ typedef struct {
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
     Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
     unsigned char *seen; /* scratch: blocks already met in this call */
+    /* bookkeeping not yet added to the Python objects (see Table_settle):
+     * counters allocated / evicted / shared / released, the shadow's totals */
+    long long d_count[4], d_owned, d_cached_free;
     Py_ssize_t null_ids[4]; /* the null blocks (a pool has one) */
     int n_null;
 } Table;
@@ -486,7 +489,7 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out)
 enum { K_ALLOCATED, K_EVICTED, K_SHARED, K_RELEASED, K_N_OWNED, K_N_CACHED_FREE, K_HOLD,
        K_UNHOLD, K_SITE_ID, N_KEYS };
 static const char *key_names[N_KEYS] = {"allocated", "evicted", "shared", "released",
-                                        "n_owned", "n_cached_free", "_hold", "_unhold",
+                                        "_n_owned", "_n_cached_free", "_hold", "_unhold",
                                         "site_id"};
 static PyObject *keys[N_KEYS];
 
@@ -586,11 +589,18 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
             return -1;
         }
         for (int i = 0; i < 2; i++) { /* since.pop(owner, None), ended.pop(owner, None) */
-            PyObject *gone = _PyDict_Pop(i ? t->ended : t->since, owner, Py_None);
+            PyObject *d = i ? t->ended : t->since;
+            if (PyDict_GET_SIZE(d) == 0) {
+                continue; /* ended is empty but for leaks */
+            }
+            PyObject *gone = _PyDict_Pop(d, owner, Py_None);
             if (gone == NULL) {
                 return -1;
             }
             Py_DECREF(gone);
+        }
+        if (PySet_GET_SIZE(t->nonrequest) == 0) {
+            return 0;
         }
         return PySet_Discard(t->nonrequest, owner) < 0 ? -1 : 0;
     }
@@ -635,6 +645,47 @@ site_id(Table *t, PyObject *site)
     return (int)v;
 }
 
+/* settle() adds the bookkeeping kept here to the checker's counters and
+ * the shadow's totals.  Per event, two dict updates and two attribute
+ * updates on cold Python objects cost more than the event's own checks, so
+ * the table keeps them as C integers until something reads them: the
+ * shadow's ``n_owned`` / ``n_cached_free`` and the checker's ``counters``
+ * call settle() first (kvsan.shadow.ShadowTable.settle). */
+static PyObject *
+Table_settle(Table *t, PyObject *unused)
+{
+    if (t->counters == NULL || t->sh == NULL) {
+        Py_RETURN_NONE;
+    }
+    for (int i = 0; i < 4; i++) {
+        long long d = t->d_count[i];
+        if (d) {
+            t->d_count[i] = 0;
+            if (dict_add(t->counters, keys[i], (Py_ssize_t)d) < 0) {
+                t->d_count[i] = d;
+                return NULL;
+            }
+        }
+    }
+    long long d = t->d_owned;
+    if (d) {
+        t->d_owned = 0;
+        if (attr_add(t->sh, keys[K_N_OWNED], (Py_ssize_t)d) < 0) {
+            t->d_owned = d;
+            return NULL;
+        }
+    }
+    d = t->d_cached_free;
+    if (d) {
+        t->d_cached_free = 0;
+        if (attr_add(t->sh, keys[K_N_CACHED_FREE], (Py_ssize_t)d) < 0) {
+            t->d_cached_free = d;
+            return NULL;
+        }
+    }
+    Py_RETURN_NONE;
+}
+
 /* what AllocatorChecker's counters and ShadowTable.acquired / released do
  * for an event applied here: counters[counter] += k (and "evicted" when
  * some were), the totals, and the owner's held count (``sign`` +1 for
@@ -643,12 +694,10 @@ static int
 bookkeep(Table *t, int counter, Py_ssize_t k, Py_ssize_t evicted, PyObject *owner,
          Py_ssize_t d_owned, Py_ssize_t d_cached_free, int sign, int step)
 {
-    if (dict_add(t->counters, keys[counter], k) < 0
-        || (evicted && dict_add(t->counters, keys[K_EVICTED], evicted) < 0)
-        || (d_owned && attr_add(t->sh, keys[K_N_OWNED], d_owned) < 0)
-        || (d_cached_free && attr_add(t->sh, keys[K_N_CACHED_FREE], d_cached_free) < 0)) {
-        return -1;
-    }
+    t->d_count[counter] += k;
+    t->d_count[K_EVICTED] += evicted;
+    t->d_owned += d_owned;
+    t->d_cached_free += d_cached_free;
     return held_add(t, owner, k, sign, step);
 }
 
@@ -1274,11 +1323,7 @@ Table_cache(Table *t, PyObject *arg)
             goto error;
         }
     }
-    /* the keys are set: a failure here (memory) leaves them set, the total
-     * not updated, and the event reported as kvsan's own error */
-    if (unowned && attr_add(t->sh, keys[K_N_CACHED_FREE], unowned) < 0) {
-        goto error;
-    }
+    t->d_cached_free += unowned; /* added to the shadow's total by settle() */
     return Py_BuildValue("(Nn)", ids, unowned);
 error:
     Py_DECREF(ids);
@@ -1297,6 +1342,8 @@ static PyMethodDef Table_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Table_release, METH_FASTCALL,
      "release(blocks, snap, owner, step, site) -> (dropped, freed ids, unowned, of them "
      "cached), or None (site: a call site, interned here)"},
+    {"settle", (PyCFunction)Table_settle, METH_NOARGS,
+     "settle(): add the counts kept here to the checker's counters and the shadow's totals"},
     {"cache", (PyCFunction)Table_cache, METH_O,
      "cache(blocks) -> (block ids given a key, of them unowned), or None"},
     {NULL, NULL, 0, NULL},

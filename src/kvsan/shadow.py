@@ -55,8 +55,32 @@ class ShadowTable:
         self.since: dict[str, tuple[float, int]] = {}
         #: the step counter (set by the checker); read only for new owners
         self.clock = _zero
-        self.n_owned = 0
-        self.n_cached_free = 0
+        self._n_owned = 0
+        self._n_cached_free = 0
+        #: an adapter's fast path that keeps part of the totals (and its
+        #: checker's counters) as C integers: called before they are read
+        self.settle = None
+
+    # -- totals (blocks with an owner; cached blocks without one) -----------
+    @property
+    def n_owned(self) -> int:
+        if self.settle is not None:
+            self.settle()
+        return self._n_owned
+
+    @n_owned.setter
+    def n_owned(self, value: int) -> None:
+        self._n_owned = value
+
+    @property
+    def n_cached_free(self) -> int:
+        if self.settle is not None:
+            self.settle()
+        return self._n_cached_free
+
+    @n_cached_free.setter
+    def n_cached_free(self, value: int) -> None:
+        self._n_cached_free = value
 
     # -- interning ----------------------------------------------------------
     def site_id(self, site: str | None) -> int:

@@ -55,19 +55,40 @@ class AllocatorChecker:
         #: (kind, block, owner) already reported by a full audit
         self._audit_seen: set[tuple] = set()
         #: movements seen: allocated, shared, released, evicted, preempted
-        self.counters: Counter[str] = Counter()
+        self._counters: Counter[str] = Counter()
         self.shadow.clock = step
         #: how recent requests ended: rid -> (reason, step), bounded (``kvsan owners``)
         self.recent_ends: dict[str, tuple[str, int]] = {}
         #: the status a delayed-free request finished with: rid -> reason
         self.pending_reasons: dict[str, str] = {}
-        #: an engine adapter's fast path for clean events, or None.  It
-        #: applies an event to the table only after checking that this
-        #: checker would find nothing wrong with it, and does the event's
-        #: bookkeeping too (``counters``, the shadow's totals and held
-        #: counts, through ``_hold``/``_unhold`` for an owner's first and
-        #: last reference); anything else comes here.
-        self.fast = None
+        self._fast = None
+
+    @property
+    def fast(self):
+        """An engine adapter's fast path for clean events, or None.  It
+        applies an event to the table only after checking that this checker
+        would find nothing wrong with it, and does the event's bookkeeping
+        too (``counters``, the shadow's totals and held counts, through
+        ``_hold``/``_unhold`` for an owner's first and last reference);
+        anything else comes here.  Counts it keeps for itself are added by
+        its ``settle()`` before they are read."""
+        return self._fast
+
+    @fast.setter
+    def fast(self, table) -> None:
+        sh = self.shadow
+        if sh.settle is not None:  # what the table being replaced still keeps
+            sh.settle()
+        self._fast = table
+        sh.settle = getattr(table, "settle", None)
+
+    @property
+    def counters(self) -> Counter[str]:
+        """Movements seen: allocated, shared, released, evicted, preempted."""
+        settle = self.shadow.settle
+        if settle is not None:
+            settle()
+        return self._counters
 
     # -- reporting helper ---------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, site):
