@@ -3,6 +3,8 @@ Requests and block hasher: each cache-key bug is injected into vLLM's hash
 inputs, and kvsan must name the differing field; with correct keys it stays
 silent, and a use-after-free is classified as corruption, not a key bug."""
 
+import functools
+
 import pytest
 
 from conftest import kinds_of
@@ -323,3 +325,43 @@ def test_known_chain_matches_the_python_chain():
     assert known_chain(chains, r, BLOCK, 6) is chains["kc-1"][1]  # nothing to extend
     with pytest.raises(TypeError, match="known_chain"):
         known_chain([], r, BLOCK, 1)
+
+
+def test_chains_started_in_c_equal_pythons_and_go_with_their_request():
+    """A chain ``known_chain`` starts in C is the RequestIdentity Python
+    would make (its four slots, without running ``__init__``), under an
+    entry whose weak reference drops it when the Request goes (the C
+    callback, bound to the chains dict); an entry a newer Request under the
+    same id replaced stays."""
+    import gc
+    import sys
+
+    if sys.version_info[:2] != (3, 11):
+        pytest.skip("the speed-ups are built for CPython 3.11")
+    from kvsan._tokenlinks import known_chain
+    from kvsan.checks.identity import RequestIdentity
+    from kvsan.hooks import vllm_identity
+
+    chains = vllm_identity._chains
+    make = vllm_identity._MAKE[0]
+    r = request("kc-2", list(range(100)))
+    ident = known_chain(chains, r, BLOCK, 3, make)
+    assert type(ident) is RequestIdentity and chains["kc-2"][1] is ident
+    py = RequestIdentity(make[1])
+    py.extend(3, list(range(100)), BLOCK, None, None)
+    assert (ident.static, ident.tok, ident.mm, ident.emb) == (py.static, py.tok, py.mm, py.emb)
+    assert isinstance(make[3], functools.partial) and chains["kc-2"][0].rid == "kc-2"
+    del r, ident
+    gc.collect()
+    assert "kc-2" not in chains  # the Request went: so did its entry
+    old = request("kc-3", list(range(40)))
+    known_chain(chains, old, BLOCK, 1, make)
+    new = request("kc-3", list(range(40)))
+    chains["kc-3"] = (vllm_identity._ChainRef(new, make[3]), RequestIdentity(make[1]))
+    chains["kc-3"][0].rid = "kc-3"
+    del old
+    gc.collect()
+    assert chains["kc-3"][0]() is new  # the newer Request's entry stays
+    del new
+    gc.collect()
+    assert "kc-3" not in chains

@@ -257,7 +257,7 @@ def test_fast_table_does_not_keep_its_runtime_alive():
 
     owner = Owner()
     ck = AllocatorChecker(16, emit=lambda v: None, step=owner.step)
-    ck.fast = hooks.SHADOWFAST.Table(ck.shadow, ck._mismatched, ck.counters)
+    ck.use_fast(hooks.SHADOWFAST.Table(ck.shadow, ck._mismatched, ck.counters))
     owner.checker = ck
     gone = weakref.ref(owner)
     del owner, ck

@@ -1088,14 +1088,21 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_GET_SIZE(snap) != k) {
         Py_RETURN_NONE;
     }
-    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t) * 2);
+    /* per released block: its id, whether it goes back unhashed, how the
+     * owner held it (1 first owner, 2 in ``more``) and that ``more`` list
+     * (borrowed: only this block's entry changes it, and each block is
+     * met once) */
+    Py_ssize_t n1 = k ? k : 1;
+    Py_ssize_t *ids = PyMem_Malloc(n1 * (3 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
     if (ids == NULL) {
         return PyErr_NoMemory();
     }
-    Py_ssize_t *freed_flag = ids + (k ? k : 1);
+    Py_ssize_t *freed_flag = ids + n1, *how = ids + 2 * n1;
+    PyObject **extras = (PyObject **)(ids + 3 * n1);
     int *nown = NOWN(t);
     unsigned char *cached = CACHED(t);
     Py_ssize_t i, m = 0;
+    int clean = 1;
     for (i = 0; i < k; i++) {
         PyObject *sv = PyList_GET_ITEM(snap, i);
         if (sv == Py_None) {
@@ -1112,8 +1119,9 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         if (r < 0) {
             goto error;
         }
-        if (!r || ref != ref_before - 1 || ref < 0 || ref != nown[b] - 1) {
-            goto slow;
+        if (!r || t->seen[b] || ref != ref_before - 1 || ref < 0 || ref != nown[b] - 1) {
+            clean = 0; /* a block met twice: the Python checker sorts it out */
+            break;
         }
         PyObject *extra;
         int o = owns(t, b, owner, &extra);
@@ -1125,7 +1133,8 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
             goto error;
         }
         if (!o || s) {
-            goto slow;
+            clean = 0;
+            break;
         }
         freed_flag[m] = 0;
         if (ref == 0) {
@@ -1135,39 +1144,50 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 goto error;
             }
             if (!unlinked && linked_before) {
-                goto slow; /* inserted twice into the free queue */
+                clean = 0; /* inserted twice into the free queue */
+                break;
             }
             if (nohash) {
                 if (cached[b]) {
-                    goto slow; /* a cache entry dropped behind kvsan's back */
+                    clean = 0; /* a cache entry dropped behind kvsan's back */
+                    break;
                 }
                 freed_flag[m] = 1;
             }
         }
+        t->seen[b] = 1;
+        how[m] = o;
+        extras[m] = extra;
         ids[m++] = b;
+    }
+    for (i = 0; i < m; i++) {
+        t->seen[ids[i]] = 0;
+    }
+    if (!clean) {
+        PyMem_Free(ids);
+        Py_RETURN_NONE;
     }
     PyObject *freed = PyList_New(0);
     if (freed == NULL) {
-        goto error;
+        PyMem_Free(ids);
+        return NULL;
     }
     Py_ssize_t unowned = 0, unowned_cached = 0;
     for (i = 0; i < m; i++) {
         Py_ssize_t b = ids[i];
-        PyObject *extra = NULL;
-        PyObject *key = PyLong_FromSsize_t(b);
-        if (key == NULL) {
-            goto error_freed;
-        }
-        int o = owns(t, b, owner, &extra);
-        if (o < 0) {
-            Py_DECREF(key);
-            goto error_freed;
-        }
-        if (o == 1) {
-            extra = PyDict_GetItemWithError(t->more, key);
-            if (extra == NULL && PyErr_Occurred()) {
-                Py_DECREF(key);
-                goto error_freed;
+        PyObject *extra = extras[i];
+        PyObject *key = NULL; /* made when a dict or the freed list needs it */
+        if (how[i] == 1) {
+            extra = NULL;
+            if (PyDict_GET_SIZE(t->more)) {
+                key = PyLong_FromSsize_t(b);
+                if (key == NULL) {
+                    goto error_freed;
+                }
+                extra = PyDict_GetItemWithError(t->more, key);
+                if (extra == NULL && PyErr_Occurred()) {
+                    goto error_key;
+                }
             }
             if (extra != NULL && PyList_GET_SIZE(extra) > 0) {
                 /* own0 = extra.pop() */
@@ -1183,20 +1203,18 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
                     r = PyDict_DelItem(t->more, key);
                 }
                 if (r < 0) {
-                    Py_DECREF(key);
-                    goto error_freed;
+                    goto error_key;
                 }
             } else {
                 if (set_list(t->own0, b, Py_None) < 0) {
-                    Py_DECREF(key);
-                    goto error_freed;
+                    goto error_key;
                 }
                 unowned++;
                 if (cached[b]) {
                     unowned_cached++;
                 }
             }
-        } else if (o == 2) {
+        } else {
             /* extra.remove(owner) */
             Py_ssize_t n = PyList_GET_SIZE(extra), j;
             int r = 0;
@@ -1206,31 +1224,39 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
                     break;
                 }
             }
-            if (r < 0 || j == n || PyList_SetSlice(extra, j, j + 1, NULL) < 0
-                || (PyList_GET_SIZE(extra) == 0 && PyDict_DelItem(t->more, key) < 0)) {
-                Py_DECREF(key);
-                if (!PyErr_Occurred()) {
-                    PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
-                }
-                goto error_freed;
+            if (r < 0 || j == n || PyList_SetSlice(extra, j, j + 1, NULL) < 0) {
+                goto vanished;
             }
-        } else {
-            Py_DECREF(key);
-            PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
-            goto error_freed;
+            if (PyList_GET_SIZE(extra) == 0) {
+                key = PyLong_FromSsize_t(b);
+                if (key == NULL || PyDict_DelItem(t->more, key) < 0) {
+                    goto vanished;
+                }
+            }
         }
         nown[b] -= 1;
         if (set_list(t->rel_owner, b, owner) < 0) {
-            Py_DECREF(key);
-            goto error_freed;
+            goto error_key;
         }
         I32(t->rel_step)[b] = step;
         I32(t->rel_site)[b] = site;
-        if (freed_flag[i] && PyList_Append(freed, key) < 0) {
-            Py_DECREF(key);
-            goto error_freed;
+        if (freed_flag[i]) {
+            if (key == NULL && (key = PyLong_FromSsize_t(b)) == NULL) {
+                goto error_freed;
+            }
+            if (PyList_Append(freed, key) < 0) {
+                goto error_key;
+            }
         }
-        Py_DECREF(key);
+        Py_XDECREF(key);
+        continue;
+    vanished:
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
+        }
+    error_key:
+        Py_XDECREF(key);
+        goto error_freed;
     }
     PyMem_Free(ids);
     if (bookkeep(t, K_RELEASED, m, 0, owner, -unowned, unowned_cached, -1, step) < 0) {
@@ -1240,12 +1266,14 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(nNnn)", m, freed, unowned, unowned_cached);
 error_freed:
     Py_DECREF(freed);
-error:
     PyMem_Free(ids);
     return NULL;
-slow:
+error:
+    for (Py_ssize_t j = 0; j < m; j++) {
+        t->seen[ids[j]] = 0;
+    }
     PyMem_Free(ids);
-    Py_RETURN_NONE;
+    return NULL;
 }
 
 /* cache(blocks) -> (block ids given a cache key, of them unowned), or None.

@@ -13,7 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_TOKENLINKS_ABI 4
+#define KVSAN_TOKENLINKS_ABI 5
 
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
@@ -228,7 +228,40 @@ error: /* all or nothing: the three chains cut back to where they were */
  * the weak reference (a ``weakref.ref`` subclass with a ``rid`` slot) drops
  * the entry with the Request. */
 static PyObject *s_request_id, *s_tok, *s_mm, *s_emb, *s_mm_features, *s_prompt_embeds,
-    *s_all_token_ids, *s_lora_request, *s_cache_salt, *s_rid;
+    *s_all_token_ids, *s_lora_request, *s_cache_salt, *s_rid, *s_static, *empty_tuple;
+
+/* a new RequestIdentity(static) without running its __init__ in Python (a
+ * frame per new request): the object as the type's tp_new makes it, with
+ * the four slots __init__ sets -- ``static``, and empty ``tok``, ``mm`` and
+ * ``emb`` lists (kvsan.checks.identity.RequestIdentity.__init__ says so
+ * too; tests/test_identity.py compares the two).  New reference or NULL. */
+static PyObject *
+new_identity(PyObject *type, PyObject *statics)
+{
+    if (!PyType_Check(type) || ((PyTypeObject *)type)->tp_new == NULL) {
+        PyErr_SetString(PyExc_TypeError, "known_chain: make[0] must be a type");
+        return NULL;
+    }
+    PyObject *ident = ((PyTypeObject *)type)->tp_new((PyTypeObject *)type, empty_tuple, NULL);
+    if (ident == NULL) {
+        return NULL;
+    }
+    if (PyObject_SetAttr(ident, s_static, statics) < 0) {
+        Py_DECREF(ident);
+        return NULL;
+    }
+    PyObject *lists[3] = {s_tok, s_mm, s_emb};
+    for (int i = 0; i < 3; i++) {
+        PyObject *l = PyList_New(0);
+        int r = l == NULL ? -1 : PyObject_SetAttr(ident, lists[i], l);
+        Py_XDECREF(l);
+        if (r < 0) {
+            Py_DECREF(ident);
+            return NULL;
+        }
+    }
+    return ident;
+}
 
 /* a new entry in ``chains`` for ``request`` (id ``rid``), as described
  * above: the new RequestIdentity (borrowed from the entry), None (borrowed:
@@ -256,7 +289,7 @@ start_chain(PyObject *chains, PyObject *request, PyObject *rid, PyObject *make)
     if (!plain) {
         return Py_None;
     }
-    PyObject *ident = PyObject_CallOneArg(PyTuple_GET_ITEM(make, 0), PyTuple_GET_ITEM(make, 1));
+    PyObject *ident = new_identity(PyTuple_GET_ITEM(make, 0), PyTuple_GET_ITEM(make, 1));
     if (ident == NULL) {
         return NULL;
     }
@@ -385,7 +418,38 @@ done:
     return out;
 }
 
+/* reap(chains, ref): the weak-reference callback of a chain entry, as
+ * kvsan.hooks.vllm_identity._reap (a Python frame per request end): its
+ * Request went, so its entry goes, unless a newer Request under the same
+ * id replaced it.  Bound to the chains dict with functools.partial. */
+static PyObject *
+reap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "reap(chains: dict, ref)");
+        return NULL;
+    }
+    PyObject *rid = PyObject_GetAttr(args[1], s_rid);
+    if (rid == NULL) {
+        return NULL;
+    }
+    PyObject *entry = PyDict_GetItemWithError(args[0], rid); /* borrowed */
+    int r = 0;
+    if (entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) >= 1
+        && PyTuple_GET_ITEM(entry, 0) == args[1]) {
+        r = PyDict_DelItem(args[0], rid);
+    }
+    Py_DECREF(rid);
+    if (r < 0 || PyErr_Occurred()) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"reap", (PyCFunction)(void (*)(void))reap, METH_FASTCALL,
+     "reap(chains, ref): drop ref's entry from chains if it is still ref's (a weakref "
+     "callback)"},
     {"known_chain", (PyCFunction)(void (*)(void))known_chain, METH_FASTCALL,
      "known_chain(chains, request, bs, upto[, make]) -> a known (or, with make, new) "
      "text-only request's identity chain extended to upto blocks, or None (the Python path "
@@ -416,11 +480,15 @@ PyInit__tokenlinks(void)
     } names[] = {{&s_request_id, "request_id"}, {&s_tok, "tok"}, {&s_mm, "mm"},
                  {&s_emb, "emb"}, {&s_mm_features, "mm_features"},
                  {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"},
-                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"}};
+                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"},
+                 {&s_static, "static"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if ((*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL) {
             return NULL;
         }
+    }
+    if ((empty_tuple = PyTuple_New(0)) == NULL) {
+        return NULL;
     }
     PyObject *m = PyModule_Create(&tokenlinks_module);
     if (m == NULL) {

@@ -61,25 +61,22 @@ class AllocatorChecker:
         self.recent_ends: dict[str, tuple[str, int]] = {}
         #: the status a delayed-free request finished with: rid -> reason
         self.pending_reasons: dict[str, str] = {}
-        self._fast = None
+        #: an engine adapter's fast path for clean events, or None (set by
+        #: :meth:`use_fast`).  It applies an event to the table only after
+        #: checking that this checker would find nothing wrong with it, and
+        #: does the event's bookkeeping too (``counters``, the shadow's
+        #: totals and held counts, through ``_hold``/``_unhold`` for an
+        #: owner's first and last reference); anything else comes here.  A
+        #: plain attribute: the adapter's hooks read it on every event.
+        self.fast = None
 
-    @property
-    def fast(self):
-        """An engine adapter's fast path for clean events, or None.  It
-        applies an event to the table only after checking that this checker
-        would find nothing wrong with it, and does the event's bookkeeping
-        too (``counters``, the shadow's totals and held counts, through
-        ``_hold``/``_unhold`` for an owner's first and last reference);
-        anything else comes here.  Counts it keeps for itself are added by
-        its ``settle()`` before they are read."""
-        return self._fast
-
-    @fast.setter
-    def fast(self, table) -> None:
+    def use_fast(self, table) -> None:
+        """Take ``table`` as :attr:`fast`.  Counts it keeps for itself are
+        added by its ``settle()`` before anything reads them."""
         sh = self.shadow
         if sh.settle is not None:  # what the table being replaced still keeps
             sh.settle()
-        self._fast = table
+        self.fast = table
         sh.settle = getattr(table, "settle", None)
 
     @property

@@ -60,16 +60,20 @@ _extend_text = None
 #: ``kvsan._tokenlinks.known_chain`` (a known text-only request's chain
 #: looked up and extended in one call) when in use, else None
 known_chain = None
+#: ``kvsan._tokenlinks.reap`` (a chain entry's weak-reference callback, as
+#: ``kvsan.hooks.vllm_identity._reap``) when in use, else None
+reap = None
 
 
 def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
-    global _links, _extend_text, known_chain
-    mod = native.load("_tokenlinks", 4) if on else None
+    global _links, _extend_text, known_chain, reap
+    mod = native.load("_tokenlinks", 5) if on else None
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None
     known_chain = mod.known_chain if mod is not None else None
+    reap = mod.reap if mod is not None else None
     return _links is not None
 
 
@@ -87,6 +91,8 @@ class RequestIdentity:
     __slots__ = ("static", "tok", "mm", "emb")
 
     def __init__(self, static: tuple[bytes, bytes, bytes]):
+        # kvsan._tokenlinks (new_identity) makes these without calling
+        # __init__, setting the same four slots: keep the two in step
         self.static = static
         self.tok: list[int] = []
         self.mm: list[bytes] = []

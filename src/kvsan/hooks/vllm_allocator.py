@@ -91,7 +91,9 @@ def _pool_init(wrapped, instance, args, kwargs):
     )
     fast = _hooks.SHADOWFAST
     if fast is not None:
-        ck.fast = _guard(rt, "shadowfast", fast.Table, ck.shadow, ck._mismatched, ck.counters)
+        table = _guard(rt, "shadowfast", fast.Table, ck.shadow, ck._mismatched, ck.counters)
+        if table is not None:
+            ck.use_fast(table)
     if rt.metrics is not None:  # the pool's gauges exist before the first step
         _guard(rt, "metrics", rt.metrics.update_pool, rt.checkers[instance].shadow.stats())
 

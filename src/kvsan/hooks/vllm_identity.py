@@ -13,6 +13,7 @@ Everything is read from the Request, never from vLLM's extra keys.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from time import perf_counter as _perf_counter
@@ -123,8 +124,17 @@ def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes]:
 _MAKE: list = [None]
 
 
+def _reaper():
+    """The callback of a chain entry's weak reference: kvsan._tokenlinks's
+    ``reap`` bound to :data:`_chains` where built (no Python frame per
+    request end), else :func:`_reap`."""
+    reap = _identity.reap
+    return functools.partial(reap, _chains) if reap is not None else _reap
+
+
 def _refresh_make() -> None:
-    _MAKE[0] = (RequestIdentity, _static_digests(None, None, _state["dtype"]), _ChainRef, _reap)
+    _MAKE[0] = (RequestIdentity, _static_digests(None, None, _state["dtype"]), _ChainRef,
+                _reaper())
 
 
 _refresh_make()
@@ -145,7 +155,7 @@ def _chain(request, bs: int, upto: int) -> RequestIdentity:
         lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
                 if lr else None)
         ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]))
-        ref = _ChainRef(request, _reap)
+        ref = _ChainRef(request, _MAKE[0][3])
         ref.rid = rid
         _chains[rid] = (ref, ident)
     if len(ident.tok) < upto:
