@@ -202,6 +202,39 @@ def test_a_producer_cached_over_several_calls(rt, kcu, monkeypatch, native):
     assert [v.details[0]["index"] for v in bad] == [0, 1, 2]
 
 
+def test_new_producers_recorded_natively(rt, native):
+    """Once the Python observer has handed the native cache hook its state,
+    a new text-only producer's chain is started and its records made in C
+    (the Python observer does not run for it); with the C paths off the
+    observer makes them.  The records are the producer's either way."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from kvsan import hooks
+    from kvsan.hooks import vllm_identity
+
+    hook = hooks.native_hook(BlockPool.__dict__["cache_full_blocks"])
+    if hook is None:
+        pytest.skip("no native cache hook here")
+    calls = []
+    observer = hook.observer
+
+    def counted(*args):
+        calls.append(args[2].request_id)
+        return observer(*args)
+    hook.observer = counted
+    try:
+        m = make_manager(24)
+        serve(m, request("P1", TOKENS[:2 * BLOCK + 1]))
+        serve(m, request("P2", [t + 2000 for t in TOKENS[:2 * BLOCK + 1]]))
+    finally:
+        hook.observer = observer
+    assert calls == (["P1"] if native else ["P1", "P2"])
+    producers = vllm_identity._audit(rt, m.block_pool).producers
+    for rid in ("P1", "P2"):
+        assert [producers[b][1] for b in m.get_block_ids(rid)[0][:2]] == [rid, rid]
+    assert kinds_of(rt) == []
+
+
 def test_correct_keys_are_silent(rt):
     m = make_manager(32)
     reqs = [request("A", lora_request=lora("sql", 1)), request("B", lora_request=lora("chat", 2)),

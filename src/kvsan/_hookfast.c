@@ -38,7 +38,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 4
+#define KVSAN_HOOKFAST_ABI 5
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5, K_N = 6 };
 
@@ -301,27 +301,38 @@ arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos,
  * a Python frame.  ``h->identity`` is set by that observer once it handled
  * a call: (weak ref to the runtime, weak ref to the pool, producers dict,
  * chains dict, hash block size, [weights digest], known_chain,
- * identity_record), the last two being kvsan's own C functions.  1: done;
- * 0: not taken (another runtime or pool, a request without a chain yet,
- * multimodal input, a failure of its own): the Python observer runs, and
- * does the same or decides (identity_record is idempotent). */
+ * identity_record, [make]), known_chain and identity_record being kvsan's
+ * own C functions; with ``make`` known_chain starts a new text-only
+ * request's chain as the observer would.  1: done; 0: not taken (another
+ * runtime or pool, a request known_chain leaves to Python -- LoRA,
+ * cache_salt, multimodal input --, a failure of its own): the Python
+ * observer runs, and does the same or decides (identity_record is
+ * idempotent). */
 static int
 identity_observe(Hook *h, PyObject *rt, PyObject *const *argv)
 {
     PyObject *st = h->identity;
-    if (!enabled || st == Py_None || !PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 8
+    if (!enabled || st == Py_None || !PyTuple_CheckExact(st) || PyTuple_GET_SIZE(st) != 9
         || !PyWeakref_Check(PyTuple_GET_ITEM(st, 0)) || !PyWeakref_Check(PyTuple_GET_ITEM(st, 1))
         || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
         || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != argv[1]
         || !PyList_CheckExact(argv[3]) || !PyLong_CheckExact(argv[4])
         || !PyLong_CheckExact(argv[5]) || !PyList_CheckExact(PyTuple_GET_ITEM(st, 5))
-        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 5)) != 1) {
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 5)) != 1
+        || !PyList_CheckExact(PyTuple_GET_ITEM(st, 8))
+        || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 8)) != 1) {
         return 0;
+    }
+    int lo_below_hi = PyObject_RichCompareBool(argv[4], argv[5], Py_LT);
+    if (lo_below_hi <= 0) {
+        PyErr_Clear();
+        return lo_below_hi == 0; /* nothing registered: nothing to record */
     }
     double t0 = now();
     PyObject *request = argv[2];
-    PyObject *kargv[4] = {PyTuple_GET_ITEM(st, 3), request, PyTuple_GET_ITEM(st, 4), argv[5]};
-    PyObject *ident = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 6), kargv, 4, NULL);
+    PyObject *kargv[5] = {PyTuple_GET_ITEM(st, 3), request, PyTuple_GET_ITEM(st, 4), argv[5],
+                          PyList_GET_ITEM(PyTuple_GET_ITEM(st, 8), 0)};
+    PyObject *ident = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 6), kargv, 5, NULL);
     if (ident == NULL || ident == Py_None) {
         Py_XDECREF(ident);
         PyErr_Clear();
@@ -971,7 +982,7 @@ hook_set_identity(Hook *h, PyObject *value, void *closure)
     if (value == NULL) {
         value = Py_None;
     }
-    Py_ssize_t want = h->kind == K_HITS ? 11 : 8;
+    Py_ssize_t want = h->kind == K_HITS ? 11 : 9;
     if (value != Py_None && !(PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == want)) {
         PyErr_Format(PyExc_TypeError, "identity: a tuple of %zd or None", want);
         return -1;
@@ -1035,7 +1046,7 @@ static PyGetSetDef hook_getset[] = {
     {"identity", (getter)hook_get_identity, (setter)hook_set_identity,
      "the identity audit's clean route in C, or None.  K_CACHE: (weak ref to the runtime, "
      "weak ref to the pool, producers, chains, hash block size, [weights digest], "
-     "known_chain, identity_record); K_HITS: (the same first six, known_chain, "
+     "known_chain, identity_record, [make]); K_HITS: (the same first six, known_chain, "
      "identity_hits, [make], the scheduler's requests, the audit)",
      NULL},
     {"state", (getter)hook_get_state, (setter)hook_set_state,

@@ -230,9 +230,11 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
             hook, known = _NATIVE_OBSERVED[0], _identity.known_chain
             if known is not None and hook is not None:
                 # from now on the native hook makes these records itself for
-                # a request whose chain is known (kvsan._hookfast's identity_observe)
+                # a request whose chain is known or a text-only one it can
+                # start (kvsan._hookfast's identity_observe)
                 hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.producers, _chains,
-                                 pool.hash_block_size, _WEIGHTS, known, fast.identity_record)
+                                 pool.hash_block_size, _WEIGHTS, known, fast.identity_record,
+                                 _MAKE)
         else:
             audit.on_cached(request.request_id, ident, _WEIGHTS[0],
                             [(i, b.block_id, b.block_hash)
