@@ -329,3 +329,32 @@ def test_request_ends_checked_in_c_and_faults_still_reported(rt):
     assert v[0].site.startswith("scheduler.py:"), v[0].site
     if hook is not None:
         assert hook.calls == calls + 1  # both faults went to the Python check
+
+
+def test_preemption_that_keeps_the_blocks(rt):
+    """A preemption whose release path never returns the request's blocks:
+    reported when the preemption returns (``leaked_blocks``, the request
+    and each block it still holds, the preemption's call site); a clean
+    preemption of another request reports nothing."""
+    sched = running("Q0", "Q1", token=860)
+    for rid in ("Q0", "Q1"):
+        sched.running.remove(sched.requests[rid])  # as vLLM pops it before preempting
+    sched._preempt_request(sched.requests["Q0"], 0.0)
+    assert kinds_of(rt) == []
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    pop = manager.pop_blocks_for_free
+
+    def keeps_blocks(request_id):  # the table goes, the blocks are never freed
+        if request_id != "Q1":
+            return pop(request_id)
+        manager.num_cached_block.pop(request_id, None)
+        manager.req_to_blocks.pop(request_id)
+        return []
+
+    manager.pop_blocks_for_free = keeps_blocks
+    held = sorted(b.block_id for b in manager.req_to_blocks["Q1"])
+    sched._preempt_request(sched.requests["Q1"], 0.0)
+    v = only(rt, "leaked_blocks")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["Q1"], held)]
+    assert "preempted" in v[0].message
+    assert v[0].site.startswith("test_scheduler_paths.py"), v[0].site  # its caller here

@@ -650,12 +650,19 @@ def _preempt_request(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
-    if ck is not None:
-        request = args[0] if args else kwargs["request"]
-        site = call_site(1)
-        _guard(rt, "_preempt_request", ck.on_request_released, request.request_id,
-               "preempted", site, False)
-        _stale_tables(rt, ck, instance, request.request_id, site)
+    if ck is None:
+        return ret
+    t0 = _perf_counter()  # guarded inline, as _guard does
+    try:
+        rid = (args[0] if args else kwargs["request"]).request_id
+        # the call site is read only for a request with something to report
+        site = call_site(1) if ck.shadow.held.get(rid) else "?"
+        ck.on_request_released(rid, "preempted", site, False)
+        _stale_tables(rt, ck, instance, rid, None if site == "?" else site)
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        guard_failed(rt, "_preempt_request", e)  # a violation (raise / abort modes) propagates
+    finally:
+        rt.overhead_s += _perf_counter() - t0
     return ret
 
 
