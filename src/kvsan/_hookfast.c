@@ -421,6 +421,7 @@ static int
 end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
 {
     PyObject *rid = NULL, *status = NULL, *requests = NULL, *step = NULL, *value = NULL;
+    PyObject *text = NULL;
     int ok = 0;
     PyObject *ends = PyTuple_GET_ITEM(st, 2), *held = PyTuple_GET_ITEM(st, 3);
     PyObject *pending = PyTuple_GET_ITEM(st, 4), *texts = PyTuple_GET_ITEM(st, 5);
@@ -435,7 +436,7 @@ end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
     if (requests == NULL || !PyUnicode_CheckExact(rid) || !PyDict_CheckExact(requests)) {
         goto out;
     }
-    PyObject *text = PyDict_GetItemWithError(texts, status); /* borrowed */
+    text = Py_XNewRef(PyDict_GetItemWithError(texts, status));
     if (text == NULL || PyDict_Contains(requests, rid) != 0) {
         goto out; /* a status not seen yet, or a delayed free */
     }
@@ -490,6 +491,7 @@ out:
     Py_XDECREF(requests);
     Py_XDECREF(step);
     Py_XDECREF(value);
+    Py_XDECREF(text);
     return ok;
 }
 
