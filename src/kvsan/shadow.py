@@ -58,7 +58,9 @@ class ShadowTable:
         self._n_owned = 0
         self._n_cached_free = 0
         #: an adapter's fast path that keeps part of the totals (and its
-        #: checker's counters) as C integers: called before they are read
+        #: checker's counters) as C integers: called before they are read.
+        #: They are sums, so updates here go to ``_n_owned`` /
+        #: ``_n_cached_free`` directly, in any order with the fast path's.
         self.settle = None
 
     # -- totals (blocks with an owner; cached blocks without one) -----------
@@ -116,9 +118,9 @@ class ShadowTable:
     def add_owner(self, b: int, owner: str) -> None:
         if self.own0[b] is None:
             self.own0[b] = owner
-            self.n_owned += 1
+            self._n_owned += 1
             if self.cached[b]:
-                self.n_cached_free -= 1
+                self._n_cached_free -= 1
         else:
             extra = self.more.get(b)
             if extra is None:
@@ -159,9 +161,9 @@ class ShadowTable:
         for b in blocks:
             if own0[b] is None:
                 own0[b] = owner
-                self.n_owned += 1
+                self._n_owned += 1
                 if cached[b]:
-                    self.n_cached_free -= 1
+                    self._n_cached_free -= 1
             else:
                 extra = more.get(b)
                 if extra is None:
@@ -186,9 +188,9 @@ class ShadowTable:
                     del self.more[b]
             else:
                 self.own0[b] = None
-                self.n_owned -= 1
+                self._n_owned -= 1
                 if self.cached[b]:
-                    self.n_cached_free += 1
+                    self._n_cached_free += 1
         else:
             extra = self.more.get(b)
             if not extra or owner not in extra:
@@ -218,7 +220,7 @@ class ShadowTable:
         if not self.cached[b]:
             self.cached[b] = 1
             if self.own0[b] is None:
-                self.n_cached_free += 1
+                self._n_cached_free += 1
         if key is not None:
             self.hashes[b] = key
 
@@ -226,7 +228,7 @@ class ShadowTable:
         if self.cached[b]:
             self.cached[b] = 0
             if self.own0[b] is None:
-                self.n_cached_free -= 1
+                self._n_cached_free -= 1
         self.hashes[b] = None
 
     def cached_blocks(self) -> list[int]:

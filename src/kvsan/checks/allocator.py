@@ -126,7 +126,7 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
-        counters = self.counters
+        counters = self._counters
         counters["allocated"] += len(obs)
         null, nown, cached = sh.null, sh.nown, sh.cached
         fresh, evicted = [], []
@@ -178,7 +178,7 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
-        self.counters["shared"] += len(obs)
+        self._counters["shared"] += len(obs)
         null = sh.null
         sh.acquire([o[0] for o in obs if o[0] not in null], owner, step, sid)
         nown, mism = sh.nown, self._mismatched
@@ -219,7 +219,7 @@ class AllocatorChecker:
         step = self.step()
         sid = sh.site_id(site)
         in_call: set[int] = set()
-        self.counters["released"] += len(obs)
+        self._counters["released"] += len(obs)
         null, nown, mism = sh.null, sh.nown, self._mismatched
         rel_owner, rel_step, rel_site = sh.rel_owner, sh.rel_step, sh.rel_site
         for b, ref_before, linked_before, ref_after, linked_after in obs:
@@ -336,7 +336,7 @@ class AllocatorChecker:
         if final:
             self._note_end(rid, reason)
         if not final:
-            self.counters["preempted"] += 1
+            self._counters["preempted"] += 1
         sh = self.shadow
         if not sh.held.get(rid) or rid in sh.ended:
             return  # clean, or this leak is already reported
