@@ -13,7 +13,9 @@
  * Python frame.  The identity audit rides on two of them: the cache hook
  * makes its producer records (identity_observe), and a fifth kind, HITS, on
  * ``KVCacheCoordinator.allocate_new_computed_blocks``, makes its hit check
- * (hits_call), both through kvsan's own C functions for the clean case.
+ * (hits_call), both through kvsan's own C functions for the clean case.  A
+ * sixth, END, on ``Scheduler._free_request``, files a clean request end
+ * (end_call).
  *
  * It is only a faster route to the same results:
  *  - anything it does not handle (kvsan off, a pool without a native table,

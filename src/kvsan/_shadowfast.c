@@ -16,12 +16,11 @@
  * event is applied here, with the same updates in the same order as the
  * Python code (tests/test_native.py drives both on the same sequences and
  * compares the whole table).  The event's bookkeeping is done here too:
- * the checker's counters, the shadow's owned / cached-free totals and each
- * owner's held count (an owner's first and last reference go through the
- * shadow's own ``_hold`` / ``_unhold``, which keep the "since" times), and
- * the call site's interned id (a new site through ``site_id``).  In situ a
- * Python call costs microseconds between the engine's work; these are a few
- * dict updates.
+ * the checker's counters and the shadow's owned / cached-free totals (kept
+ * as C integers until read: see Table_settle), each owner's held count and
+ * "since" time, and the call site's interned id (a new site through
+ * ``site_id``).  In situ a Python call costs microseconds between the
+ * engine's work; these are a few dict updates.
  *
  * The module also holds the other loops over vLLM's blocks on the hot path,
  * which read the same block fields: the full audit's pool read
