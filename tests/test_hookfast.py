@@ -195,3 +195,34 @@ def test_counts_kept_in_c_are_settled_when_read(rt):
     stats = sh.stats()
     assert stats["live_owned"] == 0 and stats["cached_evictable"] == 3
     assert ck.counters["released"] == 8 and kinds_of(rt) == []
+
+
+def test_evict_drops_cache_keys_in_one_pass(rt):
+    """``evict_blocks`` drops the cache keys of free and in-use blocks: the
+    table's one C pass journals and uncaches exactly the blocks left
+    without a key (a block never cached too, as the Python path does),
+    keeps the owners, and the cached-free total follows; a negative id
+    (which vLLM's list indexing accepts) goes to the Python path."""
+    m = make_manager(16)
+    ck = rt.checkers[m.block_pool]
+    a, b = make_request(list(range(48)) + [1], "A"), make_request(list(range(100, 148)) + [2], "B")
+    schedule(m, a)
+    schedule(m, b)
+    a_blocks = m.get_block_ids("A")[0]
+    b_blocks = m.get_block_ids("B")[0]
+    m.free(a)
+    sh = ck.shadow
+    assert sh.n_cached_free == 3 and sh.cached[a_blocks[0]] and sh.cached[b_blocks[0]]
+    never = next(i for i in range(1, 16) if not sh.cached[i] and sh.own0[i] is None)
+    rt.journal.take()
+    ids = {a_blocks[0], a_blocks[1], b_blocks[0], never}
+    m.block_pool.evict_blocks(ids)
+    assert sorted(rt.journal.take()["uncached"]) == sorted(ids)
+    assert not any(sh.cached[i] for i in ids) and all(sh.hashes[i] is None for i in ids)
+    assert sh.own0[b_blocks[0]] == "B" and sh.n_cached_free == 1  # A's third block only
+    assert kinds_of(rt) == []
+    last = len(m.block_pool.blocks) - 1
+    m.block_pool.evict_blocks({-1})  # vLLM evicts blocks[-1]; no id is journaled
+    assert rt.journal.take()["uncached"] == [] and not sh.cached[last]
+    m.free(b)
+    assert kinds_of(rt) == [] and sh.stats()["live_owned"] == 0

@@ -1357,6 +1357,75 @@ error:
     return NULL;
 }
 
+/* uncache(ids, blocks) -> the ids whose engine block (``blocks[id]``) has
+ * no cache key, each dropped from the table's cache as
+ * ShadowTable.set_uncached does (after ``evict_blocks(ids)``, which drops
+ * keys of blocks that may still be in use); None when an id is not an int
+ * within the pool and the table, or ``blocks`` is not a list (the Python
+ * hook decides).  Dropping twice changes nothing. */
+static PyObject *
+Table_uncache(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!n_args("uncache", nargs, 2) || !table_ok(t)) {
+        return NULL;
+    }
+    PyObject *blocks = args[1];
+    if (!PyList_Check(blocks)) {
+        Py_RETURN_NONE;
+    }
+    PyObject *ids = PySequence_List(args[0]); /* read once, checked before any change */
+    if (ids == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(ids), nb = PyList_GET_SIZE(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(ids, i);
+        Py_ssize_t b = PyLong_CheckExact(v) ? PyLong_AsSsize_t(v) : -1;
+        if (b == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+        }
+        if (b < 0 || b >= nb || b >= t->n) {
+            Py_DECREF(ids);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        Py_DECREF(ids);
+        return NULL;
+    }
+    unsigned char *cached = CACHED(t);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyList_GET_ITEM(ids, i);
+        Py_ssize_t b = PyLong_AsSsize_t(v);
+        int nohash = attr_is_none(PyList_GET_ITEM(blocks, b), A_BLOCK_HASH);
+        if (nohash < 0) {
+            goto error;
+        }
+        if (!nohash) {
+            continue;
+        }
+        if (PyList_Append(out, v) < 0) {
+            goto error;
+        }
+        if (cached[b]) {
+            cached[b] = 0;
+            if (PyList_GET_ITEM(t->own0, b) == Py_None) {
+                t->d_cached_free -= 1;
+            }
+        }
+        if (set_list(t->hashes, b, Py_None) < 0) {
+            goto error;
+        }
+    }
+    Py_DECREF(ids);
+    return out;
+error:
+    Py_DECREF(ids);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef Table_methods[] = {
     {"allocate", (PyCFunction)(void (*)(void))Table_allocate, METH_FASTCALL,
      "allocate(blocks, owner, step, site) -> evicted block ids, or None (not clean; "
@@ -1369,6 +1438,9 @@ static PyMethodDef Table_methods[] = {
     {"release", (PyCFunction)(void (*)(void))Table_release, METH_FASTCALL,
      "release(blocks, snap, owner, step, site) -> (dropped, freed ids, unowned, of them "
      "cached), or None (site: a call site, interned here)"},
+    {"uncache", (PyCFunction)(void (*)(void))Table_uncache, METH_FASTCALL,
+     "uncache(ids, blocks) -> the ids whose block has no cache key, dropped from the "
+     "table's cache; or None (the Python hook decides)"},
     {"settle", (PyCFunction)Table_settle, METH_NOARGS,
      "settle(): add the counts kept here to the checker's counters and the shadow's totals"},
     {"cache", (PyCFunction)Table_cache, METH_O,

@@ -315,11 +315,16 @@ def _evict_blocks(wrapped, instance, args, kwargs):
     rt, ck = _checker(instance)
     if ck is not None:
         ids = args[0] if args else kwargs["block_ids"]
-        # legal even for in-use blocks: only the hash is dropped
-        dropped = [i for i in ids if 0 <= i < len(instance.blocks)
-                   and instance.blocks[i].block_hash is None]
+        # legal even for in-use blocks: only the hash is dropped (in one C
+        # pass where the table has one; dropping twice changes nothing)
+        fast = ck.fast
+        dropped = (_guard(rt, "evict_blocks", fast.uncache, ids, instance.blocks)
+                   if fast is not None else None)
+        if dropped is None:
+            dropped = [i for i in ids if 0 <= i < len(instance.blocks)
+                       and instance.blocks[i].block_hash is None]
+            _guard(rt, "evict_blocks", ck.on_uncached, dropped)
         rt.journal.uncached.extend(dropped)
-        _guard(rt, "evict_blocks", ck.on_uncached, dropped)
     return ret
 
 
