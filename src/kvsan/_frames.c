@@ -113,14 +113,22 @@ cache_index(PyObject *code, int lasti)
 }
 
 static void
+clear_owner_cache(void)
+{
+    for (int i = 0; i < CACHE_SIZE; i++) {
+        Py_CLEAR(owner_cache[i].code);
+        Py_CLEAR(owner_cache[i].entry);
+    }
+}
+
+static void
 clear_caches(void)
 {
     for (int i = 0; i < CACHE_SIZE; i++) {
         Py_CLEAR(site_cache[i].code);
         Py_CLEAR(site_cache[i].text);
-        Py_CLEAR(owner_cache[i].code);
-        Py_CLEAR(owner_cache[i].entry);
     }
+    clear_owner_cache();
 }
 
 static PyObject *site_lookup(PyObject *code, int lasti);
@@ -182,10 +190,7 @@ owner_of(_PyInterpreterFrame *f)
 {
     uint64_t version = ((PyDictObject *)owner_slots)->ma_version_tag;
     if (version != owner_cache_version) {
-        for (int i = 0; i < CACHE_SIZE; i++) {
-            Py_CLEAR(owner_cache[i].code);
-            Py_CLEAR(owner_cache[i].entry);
-        }
+        clear_owner_cache();
         owner_cache_version = version;
     }
     for (int i = 0; i < owner_depth && f != NULL; i++, f = complete(f->previous)) {
