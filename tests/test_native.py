@@ -286,3 +286,37 @@ def test_block_fields_read_as_slots(rt):
 
     assert _shadowfast.slot_reads(Rehashed(4)) == fields[:-1]
     assert _shadowfast.slot_reads(KVCacheBlock(5)) == fields
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+def test_shared_owner_lists_are_not_left_to_the_collector(rt):
+    """A prefix hit on blocks someone else owns files the new owner in
+    ``more``; the lists the C table makes there hold only owner strings, so
+    they are untracked by the garbage collector, as is a new owner's
+    ``since`` record: left tracked, the thousands alive between a hit and its
+    release made the collector run, and walk them, every few steps (touch at
+    16 blocks cost 2x as much with them tracked)."""
+    import gc
+
+    m = make_manager(32)
+    pool = m.block_pool
+    ck = rt.checkers[pool]
+    assert ck.fast is not None
+    ctx = rt.owner_ctx
+    ctx.append(("A", "alloc"))
+    blocks = pool.get_new_blocks(3)
+    ctx[-1] = ("B", "alloc")
+    pool.touch(blocks)
+    sh = ck.shadow
+    ids = [b.block_id for b in blocks]
+    assert {b: list(sh.more[b]) for b in ids} == {b: ["B"] for b in ids}
+    assert not any(gc.is_tracked(sh.more[b]) for b in ids)
+    assert not gc.is_tracked(sh.since["B"])
+    ctx[-1] = ("C", "alloc")
+    pool.touch(blocks)
+    assert {b: list(sh.more[b]) for b in ids} == {b: ["B", "C"] for b in ids}
+    for owner in ("B", "A", "C"):
+        ctx[-1] = (owner, "free")
+        pool.free_blocks(reversed(blocks))
+    ctx.pop()
+    assert sh.more == {} and sh.held == {} and not rt.violations()

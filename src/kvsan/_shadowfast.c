@@ -576,6 +576,7 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
         if (when == NULL) {
             return -1;
         }
+        PyObject_GC_UnTrack(when); /* a float and an int: as gc would on its next pass */
         int r = PyDict_SetItem(t->since, owner, when);
         Py_DECREF(when);
         if (r < 0) {
@@ -950,6 +951,11 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 PyObject *lst = PyList_New(1);
                 r = lst == NULL ? -1 : 0;
                 if (lst != NULL) {
+                    /* a list of owner strs holds no container: it can be in
+                     * no reference cycle, and left tracked, the thousands
+                     * that live from a prefix hit to its release make the
+                     * collector run (and walk them) every few steps */
+                    PyObject_GC_UnTrack(lst);
                     PyList_SET_ITEM(lst, 0, Py_NewRef(owner));
                     r = PyDict_SetItem(t->more, key, lst);
                     Py_DECREF(lst);
