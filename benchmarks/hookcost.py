@@ -112,6 +112,9 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
                 hook = native_hook(fn)
                 if hook is not None:
                     out[f"{attr} (native hook)"] = [hook.calls, int(hook.seconds * 1e9)]
+                    if hook.observed:
+                        out["identity observer (native, in cache_full_blocks)"] = [
+                            hook.observed, int(hook.observe_seconds * 1e9)]
         return {"hooks": out}
 
     sched.serve_lane(setting, n, steps, seed, num_blocks, extra=extra)

@@ -77,6 +77,8 @@ typedef struct {
     vectorcallfunc vectorcall;
     unsigned long long calls; /* calls that took the native route */
     double seconds;           /* kvsan's own time in them (benchmarks.hookcost) */
+    unsigned long long observed; /* K_CACHE: producer records made in C */
+    double observe_seconds;      /* and the time they took */
 } Hook;
 
 static inline double
@@ -357,7 +359,10 @@ identity_observe(Hook *h, PyObject *rt, PyObject *const *argv)
         return 0;
     }
     Py_DECREF(r);
-    if (add_overhead(rt, now() - t0) < 0) {
+    double dt = now() - t0;
+    h->observed++;
+    h->observe_seconds += dt;
+    if (add_overhead(rt, dt) < 0) {
         PyErr_Clear();
     }
     return 1;
@@ -1039,7 +1044,23 @@ hook_get_seconds(Hook *h, void *closure)
     return PyFloat_FromDouble(h->seconds);
 }
 
+static PyObject *
+hook_get_observed(Hook *h, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(h->observed);
+}
+
+static PyObject *
+hook_get_observe_seconds(Hook *h, void *closure)
+{
+    return PyFloat_FromDouble(h->observe_seconds);
+}
+
 static PyGetSetDef hook_getset[] = {
+    {"observed", (getter)hook_get_observed, NULL,
+     "K_CACHE: the identity audit's producer records made in C (see identity_observe)", NULL},
+    {"observe_seconds", (getter)hook_get_observe_seconds, NULL,
+     "K_CACHE: kvsan's time in them (not in ``seconds``)", NULL},
     {"calls", (getter)hook_get_calls, NULL, "calls that took the native route", NULL},
     {"seconds", (getter)hook_get_seconds, NULL,
      "kvsan's own time in them (not vLLM's method, not the Python second halves)", NULL},
