@@ -327,10 +327,13 @@ identity_observe(Hook *h, PyObject *rt, PyObject *const *argv)
         || PyList_GET_SIZE(PyTuple_GET_ITEM(st, 8)) != 1) {
         return 0;
     }
-    int lo_below_hi = PyObject_RichCompareBool(argv[4], argv[5], Py_LT);
-    if (lo_below_hi <= 0) {
+    Py_ssize_t lo = PyLong_AsSsize_t(argv[4]), hi = PyLong_AsSsize_t(argv[5]);
+    if (PyErr_Occurred()) { /* beyond Py_ssize_t: the Python observer decides */
         PyErr_Clear();
-        return lo_below_hi == 0; /* nothing registered: nothing to record */
+        return 0;
+    }
+    if (lo >= hi) {
+        return 1; /* nothing registered: nothing to record */
     }
     double t0 = now();
     PyObject *request = argv[2];

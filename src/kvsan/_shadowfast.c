@@ -127,6 +127,34 @@ get_field(PyObject *obj, int i)
     return PyObject_GetAttr(obj, names[i]);
 }
 
+/* a tuple of ``n`` new references (stolen; NULL items allowed: then all are
+ * released and NULL returned, the exception set by whoever made the NULL).
+ * Py_BuildValue parses its format string on every call: on the hot path,
+ * that parse cost as much as the tuple. */
+static PyObject *
+tuple_steal(Py_ssize_t n, PyObject **items)
+{
+    PyObject *t = NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (items[i] == NULL) {
+            goto fail;
+        }
+    }
+    t = PyTuple_New(n);
+    if (t == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyTuple_SET_ITEM(t, i, items[i]);
+    }
+    return t;
+fail:
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_XDECREF(items[i]);
+    }
+    return NULL;
+}
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n;
@@ -146,6 +174,9 @@ typedef struct {
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
     Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
     unsigned char *seen; /* scratch: blocks already met in this call */
+    void *scratch;       /* an event's per-block arrays (see scratch_get) */
+    size_t scratch_cap;
+    int scratch_busy;
     /* bookkeeping not yet added to the Python objects (see Table_settle):
      * counters allocated / evicted / shared / released, the shadow's totals */
     long long d_count[4], d_owned, d_cached_free;
@@ -225,6 +256,7 @@ Table_dealloc(Table *self)
         }
     }
     PyMem_Free(self->seen);
+    PyMem_Free(self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -571,8 +603,10 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
     if (sign > 0 && had == NULL) { /* _hold of an owner holding nothing */
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic's clock on Linux */
-        PyObject *when = Py_BuildValue("(di)", (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9,
-                                       step);
+        PyObject *when_items[2] = {
+            PyFloat_FromDouble((double)ts.tv_sec + (double)ts.tv_nsec * 1e-9),
+            PyLong_FromLong(step)};
+        PyObject *when = tuple_steal(2, when_items);
         if (when == NULL) {
             return -1;
         }
@@ -753,6 +787,50 @@ int_arg(const char *fn, int pos, PyObject *o, int *out)
     return 1;
 }
 
+/* an event's per-block arrays: the table's own buffer, kept between calls
+ * (an allocation and a free per event otherwise), or a fresh one when the
+ * buffer is in use (an event method running inside another's Python
+ * callback); give it back with scratch_put.  NULL with MemoryError. */
+static void *
+scratch_get(Table *t, size_t bytes)
+{
+    if (bytes == 0) {
+        bytes = 1;
+    }
+    if (t->scratch_busy) {
+        void *p = PyMem_Malloc(bytes);
+        if (p == NULL) {
+            PyErr_NoMemory();
+        }
+        return p;
+    }
+    if (bytes > t->scratch_cap) {
+        size_t cap = t->scratch_cap ? t->scratch_cap : 256;
+        while (cap < bytes) {
+            cap *= 2;
+        }
+        void *p = PyMem_Realloc(t->scratch, cap);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return NULL;
+        }
+        t->scratch = p;
+        t->scratch_cap = cap;
+    }
+    t->scratch_busy = 1;
+    return t->scratch;
+}
+
+static void
+scratch_put(Table *t, void *p)
+{
+    if (p == t->scratch) {
+        t->scratch_busy = 0;
+    } else {
+        PyMem_Free(p);
+    }
+}
+
 /* the arguments every event method takes: (blocks, owner, step, site), and a
  * scratch array for the block ids of the call (NULL with an exception) */
 static Py_ssize_t *
@@ -770,11 +848,7 @@ event_args(Table *t, const char *fn, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(*blocks);
-    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
-    if (ids == NULL) {
-        PyErr_NoMemory();
-    }
-    return ids;
+    return scratch_get(t, (size_t)k * sizeof(Py_ssize_t));
 }
 
 /* allocate(blocks, owner, step, site) -> list of evicted block ids, or None
@@ -820,7 +894,7 @@ Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
         t->seen[ids[i]] = 0;
     }
     if (!clean) {
-        PyMem_Free(ids);
+        scratch_put(t, ids);
         Py_RETURN_NONE;
     }
     PyObject *evicted = PyList_New(0);
@@ -852,7 +926,7 @@ Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
         I32(t->acq_step)[b] = step;
         I32(t->acq_site)[b] = site;
     }
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     Py_ssize_t ne = PyList_GET_SIZE(evicted);
     if (bookkeep(t, K_ALLOCATED, k, ne, owner, k, -ne, 1, step) < 0) {
         Py_DECREF(evicted);
@@ -864,7 +938,7 @@ error:
         t->seen[ids[j]] = 0;
     }
 error_nomarks:
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     return NULL;
 }
 
@@ -921,7 +995,7 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
         t->seen[ids[i]] = 0;
     }
     if (!clean) {
-        PyMem_Free(ids);
+        scratch_put(t, ids);
         Py_RETURN_NONE;
     }
     unsigned char *cached = CACHED(t);
@@ -973,17 +1047,19 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
         I32(t->acq_step)[b] = step;
         I32(t->acq_site)[b] = site;
     }
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     if (bookkeep(t, K_SHARED, m, 0, owner, newly, -claimed, 1, step) < 0) {
         return NULL;
     }
-    return Py_BuildValue("(nnn)", m, newly, claimed);
+    PyObject *out[3] = {PyLong_FromSsize_t(m), PyLong_FromSsize_t(newly),
+                        PyLong_FromSsize_t(claimed)};
+    return tuple_steal(3, out);
 error:
     for (Py_ssize_t j = 0; j < m; j++) {
         t->seen[ids[j]] = 0;
     }
 error_nomarks:
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     return NULL;
 }
 
@@ -1003,10 +1079,10 @@ Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
     if (out == NULL) {
         return NULL;
     }
-    Py_ssize_t *ids = PyMem_Malloc((k ? k : 1) * sizeof(Py_ssize_t));
+    Py_ssize_t *ids = scratch_get(t, (size_t)k * sizeof(Py_ssize_t));
     if (ids == NULL) {
         Py_DECREF(out);
-        return PyErr_NoMemory();
+        return NULL;
     }
     Py_ssize_t i, m = 0;
     int clean = 1, err = 0;
@@ -1059,7 +1135,7 @@ Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
     for (Py_ssize_t j = 0; j < m; j++) {
         t->seen[ids[j]] = 0;
     }
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     if (err || !clean) {
         Py_DECREF(out); /* unset items are NULL: list dealloc skips them */
         if (err) {
@@ -1098,9 +1174,9 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
      * (borrowed: only this block's entry changes it, and each block is
      * met once) */
     Py_ssize_t n1 = k ? k : 1;
-    Py_ssize_t *ids = PyMem_Malloc(n1 * (3 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
+    Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (3 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
     if (ids == NULL) {
-        return PyErr_NoMemory();
+        return NULL;
     }
     Py_ssize_t *freed_flag = ids + n1, *how = ids + 2 * n1;
     PyObject **extras = (PyObject **)(ids + 3 * n1);
@@ -1169,12 +1245,12 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         t->seen[ids[i]] = 0;
     }
     if (!clean) {
-        PyMem_Free(ids);
+        scratch_put(t, ids);
         Py_RETURN_NONE;
     }
     PyObject *freed = PyList_New(0);
     if (freed == NULL) {
-        PyMem_Free(ids);
+        scratch_put(t, ids);
         return NULL;
     }
     Py_ssize_t unowned = 0, unowned_cached = 0;
@@ -1263,21 +1339,23 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         Py_XDECREF(key);
         goto error_freed;
     }
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     if (bookkeep(t, K_RELEASED, m, 0, owner, -unowned, unowned_cached, -1, step) < 0) {
         Py_DECREF(freed);
         return NULL;
     }
-    return Py_BuildValue("(nNnn)", m, freed, unowned, unowned_cached);
+    PyObject *out[4] = {PyLong_FromSsize_t(m), freed, PyLong_FromSsize_t(unowned),
+                        PyLong_FromSsize_t(unowned_cached)};
+    return tuple_steal(4, out);
 error_freed:
     Py_DECREF(freed);
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     return NULL;
 error:
     for (Py_ssize_t j = 0; j < m; j++) {
         t->seen[ids[j]] = 0;
     }
-    PyMem_Free(ids);
+    scratch_put(t, ids);
     return NULL;
 }
 
@@ -1357,7 +1435,8 @@ Table_cache(Table *t, PyObject *arg)
         }
     }
     t->d_cached_free += unowned; /* added to the shadow's total by settle() */
-    return Py_BuildValue("(Nn)", ids, unowned);
+    PyObject *out[2] = {ids, PyLong_FromSsize_t(unowned)};
+    return tuple_steal(2, out);
 error:
     Py_DECREF(ids);
     return NULL;
@@ -1580,7 +1659,9 @@ identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
         }
         if (!same) {
-            rec = Py_BuildValue("(OOOnO)", key, args[1], args[2], i, args[3]);
+            PyObject *items[5] = {Py_NewRef(key), Py_NewRef(args[1]), Py_NewRef(args[2]),
+                                  PyLong_FromSsize_t(i), Py_NewRef(args[3])};
+            rec = tuple_steal(5, items);
             if (rec == NULL || PyDict_SetItem(producers, id, rec) < 0) {
                 goto fail;
             }
@@ -1746,7 +1827,8 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(mism);
         return NULL;
     }
-    return Py_BuildValue("(nN)", checked, mism);
+    PyObject *out[2] = {PyLong_FromSsize_t(checked), mism};
+    return tuple_steal(2, out);
 }
 
 static PyMethodDef module_methods[] = {
