@@ -13,6 +13,7 @@ module must be in use here (3.11, built with the package)."""
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,6 +183,34 @@ def test_checksums_agree_on_every_word_size_and_layout(monkeypatch):
     after = c.checksums(cases[:6], blocks)
     assert [[i for i, (x, y) in enumerate(zip(a, b)) if x != y] for a, b in zip(before, after)] \
         == [[], [], [5], []]
+
+
+def test_vector_checksums_agree_with_the_scalar_loop():
+    """The C checksums' vector levels (AVX2, AVX-512, as this CPU has them)
+    give the scalar loop's sums: rows of 8-byte words of any length (a
+    remainder after the last full vector, rows over several weight periods,
+    a row shorter than one vector) and extreme values (the products wrap)."""
+    from kvsan import _devicefast
+    from kvsan.checks import device as dev
+
+    rng = np.random.default_rng(3)
+    lengths = (1, 3, 4, 7, 8, 9, 1027, 3 * dev.WEIGHT_PERIOD + 5)
+    layers = [rng.integers(-2**63, 2**63 - 1, size=(6, n), dtype=np.int64, endpoint=True)
+              for n in lengths]
+    layers.append(np.full((6, 33), -2**63, dtype=np.int64))
+    chunks = dev.chunk_multipliers(-(-max(lengths) * 8 // dev.WEIGHT_PERIOD) + 1)
+    blocks = [0, 5, 2, 5]
+    best = _devicefast.simd()
+    try:
+        sums = {}
+        for level in range(best + 1):
+            assert _devicefast.simd(level) == level
+            sums[level] = _devicefast.checksums(layers, blocks, dev.PERIOD_WEIGHTS, chunks)
+    finally:
+        _devicefast.simd(best)
+    assert all(v == sums[0] for v in sums.values())
+    with pytest.raises(ValueError, match="simd level"):
+        _devicefast.simd(3)
 
 
 def test_weights_are_odd_and_a_prefix_of_one_sequence():
