@@ -343,45 +343,54 @@ class DeviceChecker:
         Returns (hits as (rid, block), fresh blocks)."""
         self._settle()
         hits, fresh, producers, unsealed = [], [], [], []
-        null, holders, sealed = self.null, self.holders, self.sealed
+        null, holders, sealed, req_blocks = self.null, self.holders, self.sealed, self.req_blocks
         for rid, blocks, n_hits in adds:
-            mine = self.req_blocks.setdefault(rid, [])
-            me = None
-            for b in blocks[n_hits:]:
-                mine.append(b)
+            mine = req_blocks.get(rid)
+            if mine is None:
+                mine = req_blocks[rid] = []
+            new = blocks[n_hits:] if n_hits else blocks
+            mine.extend(new)
+            had = len(fresh)
+            for b in new:
                 if b in null:
                     continue
                 fresh.append(b)
                 h = holders.get(b)
                 if h is None:
-                    h = holders[b] = set()
-                elif h and (len(h) > 1 or rid not in h):
-                    others = h - {rid}
-                    self._report(
-                        kinds.REUSE_WITH_LIVE_OWNERS,
-                        f"block {b} handed to {rid} on the device while "
-                        f"{', '.join(sorted(others))} still hold(s) it in the worker's "
-                        "block tables",
-                        [b], others, rid)
+                    holders[b] = {rid}
+                else:
+                    if h and (len(h) > 1 or rid not in h):
+                        others = h - {rid}
+                        self._report(
+                            kinds.REUSE_WITH_LIVE_OWNERS,
+                            f"block {b} handed to {rid} on the device while "
+                            f"{', '.join(sorted(others))} still hold(s) it in the worker's "
+                            "block tables",
+                            [b], others, rid)
+                    h.add(rid)
                 if b in sealed:
                     unsealed.append(b)  # a fresh block was evicted by the allocator
-                h.add(rid)
+            if len(fresh) > had:
                 # only a block's producer (the request it was freshly
                 # allocated to) may write it, and only until it is sealed
-                if me is None:
-                    me = self._rint(rid)
-                producers.append(me)
+                producers += [self._rint(rid)] * (len(fresh) - had)
         self._unseal(unsealed)
         self._put(1, fresh, 0)  # written from scratch
         self._put(0, fresh, producers)
         for rid, blocks, n_hits in adds:
-            mine = self.req_blocks[rid]
-            for b in blocks[:n_hits]:
-                mine.append(b)  # table order is not used; membership is
-                if b in self.null:
+            if not n_hits:
+                continue
+            served = blocks[:n_hits]
+            req_blocks[rid].extend(served)  # table order is not used; membership is
+            for b in served:
+                if b in null:
                     continue
                 hits.append((rid, b))
-                self.holders.setdefault(b, set()).add(rid)
+                h = holders.get(b)
+                if h is None:
+                    holders[b] = {rid}
+                else:
+                    h.add(rid)
         return hits, fresh
 
     # -- sealing --------------------------------------------------------------
@@ -701,8 +710,11 @@ class DeviceChecker:
         last = self._last_batch
         if last is not None and type(batch_rids) is list and last[0] == batch_rids:
             ids = last[1]  # a persistent batch: mostly the same requests, in the same order
-        else:
-            ids = [self._rint(r) for r in batch_rids]
+        else:  # one dict lookup per request in C; _rint for the new ones only
+            ids = list(map(self._rid_int.get, batch_rids))
+            if None in ids:
+                rint = self._rint
+                ids = [i if i is not None else rint(r) for i, r in zip(ids, batch_rids)]
             self._last_batch = (list(batch_rids), ids)
         counts = list(tokens_per_req)
         defer = self._defer_guard

@@ -128,13 +128,17 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
         dc.drop_request(nr.req_id)  # V2 sends resumed requests as new ones
         adds.append((nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs))
     cr = so.scheduled_cached_reqs
-    for i, rid in enumerate(cr.req_ids):
-        new = cr.new_block_ids[i]
-        if rid in cr.resumed_req_ids:
-            dc.drop_request(rid)
-            adds.append((rid, new[0] if new else [], cr.num_computed_tokens[i] // bs))
-        elif new is not None:
-            adds.append((rid, new[0], 0))
+    if cr.resumed_req_ids:
+        for i, rid in enumerate(cr.req_ids):
+            new = cr.new_block_ids[i]
+            if rid in cr.resumed_req_ids:
+                dc.drop_request(rid)
+                adds.append((rid, new[0] if new else [], cr.num_computed_tokens[i] // bs))
+            elif new is not None:
+                adds.append((rid, new[0], 0))
+    else:  # every running request is listed each step; most have no new block
+        adds += [(rid, new[0], 0) for rid, new in zip(cr.req_ids, cr.new_block_ids)
+                 if new is not None]
     hits, fresh = dc.add_step(adds)
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
