@@ -226,3 +226,31 @@ def test_evict_drops_cache_keys_in_one_pass(rt):
     assert rt.journal.take()["uncached"] == [] and not sh.cached[last]
     m.free(b)
     assert kinds_of(rt) == [] and sh.stats()["live_owned"] == 0
+
+
+def test_worker_side_failure_is_counted_not_raised(rt):
+    """A worker-side check (``vllm_worker._dguard``) that fails in log mode
+    reaches neither the step nor its caller: counted as an internal error
+    under its site, its time in both kvsan's and the worker side's totals.
+    A violation raised by a check (raise / abort modes) still propagates."""
+    from types import SimpleNamespace
+
+    from kvsan.hooks import vllm_worker
+    from kvsan.report import KVSanViolation
+
+    def broken():
+        raise RuntimeError("kvsan bug")
+
+    errors, own, device = rt.reporter.internal_errors, rt.overhead_s, rt.device_s
+    assert vllm_worker._dguard(rt, "execute_model.begin", broken) is None
+    assert rt.reporter.internal_errors == errors + 1
+    assert "execute_model.begin" in rt.reporter._error_sites
+    assert rt.overhead_s > own and rt.device_s > device
+    assert vllm_worker._dguard(rt, "x", lambda a, b: a + b, 2, 3) == 5
+
+    def violation():
+        raise KVSanViolation(SimpleNamespace(kind="overwrite_shared_block", message="found"))
+
+    with pytest.raises(KVSanViolation):
+        vllm_worker._dguard(rt, "execute_model.seal", violation)
+    assert rt.reporter.internal_errors == errors + 1
