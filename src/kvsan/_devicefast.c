@@ -9,7 +9,9 @@
  *   guard()     the write guard: every slot the step writes lies in a block
  *               its writer produces and that is not sealed; counts the slots
  *               written per block (``fill``);
- *   checksums() the weighted 64-bit word sums of sealed blocks, per layer.
+ *   checksums() the weighted 64-bit word sums of sealed blocks, per layer
+ *               (8-byte words with AVX2 / AVX-512 where the CPU has them:
+ *               simd() tells and selects the level).
  *
  * Both give exactly what the torch path gives (tests/test_device_native.py
  * runs them side by side): the same bad (block, writer) pairs in the same
