@@ -156,9 +156,10 @@ class Server:
         with open(self.log, errors="replace") as f:
             return f.read()[-n:]
 
-    def stream(self, prompt, max_tokens, cancel_after=None, request_id=None):
+    def stream(self, prompt, max_tokens, cancel_after=None, request_id=None, cancel_when=None):
         """One streaming completion.  ``cancel_after``: disconnect after that
-        many chunks.  Returns ("done" | "cancelled", chunks received)."""
+        many chunks; ``cancel_when``: after the first chunk for which it
+        returns true.  Returns ("done" | "cancelled", chunks received)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
         headers = {"Content-Type": "application/json"}
         if request_id:
@@ -179,7 +180,8 @@ class Server:
                 if line.strip() == b"data: [DONE]":
                     return "done", chunks
                 chunks += 1
-                if cancel_after is not None and chunks >= cancel_after:
+                if (cancel_after is not None and chunks >= cancel_after) or (
+                        cancel_when is not None and cancel_when()):
                     # a client that goes away mid-stream: vLLM aborts the request
                     conn.sock.shutdown(socket.SHUT_RDWR)
                     return "cancelled", chunks
@@ -338,6 +340,7 @@ def test_clean_traffic_with_disconnects(server, prometheus):
         cancel = (2 + i % 5) if i % 3 == 1 else None  # a third disconnect mid-stream
         plan.append((p, 160 if cancel else 24 + 8 * (i % 4), cancel))
     snapshot = {}
+    looked = threading.Event()
 
     def look_while_busy():
         # `kvsan owners` on the live server, while streams hold blocks
@@ -345,13 +348,22 @@ def test_clean_traffic_with_disconnects(server, prometheus):
             doc = server.owners()
             rows = [r for r in doc["engines"][0]["owners"] if r["live_blocks"]]
             return rows and doc
-        snapshot["doc"] = wait_until(holders, 60, "requests holding blocks", every=0.2)
+        try:
+            snapshot["doc"] = wait_until(holders, 60, "requests holding blocks", every=0.05)
+        finally:
+            looked.set()
 
     spy = threading.Thread(target=look_while_busy)
     spy.start()
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        results = list(pool.map(lambda a: server.stream(*a), plan))
+    # one long stream that stays until the spy has looked: on a fast host
+    # the whole plan runs between two looks (84 engine steps in 0.2 s)
+    with ThreadPoolExecutor(max_workers=1) as solo:
+        anchor = solo.submit(server.stream, work[0][1], 400, None, None, looked.is_set)
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            results = list(pool.map(lambda a: server.stream(*a), plan))
+        anchored = anchor.result()
     spy.join()
+    assert anchored[0] in ("done", "cancelled") and anchored[1] > 0, anchored
     # a slow reader gets the rest of a stream merged into one chunk (vLLM
     # coalesces the deltas of a consumer that fell behind), so a stream may
     # end before the chunk it was to disconnect after
@@ -386,9 +398,9 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     # every request ended once.  A disconnect races the engine: a stream the
     # client dropped may already have finished there (vLLM coalesces the
     # deltas of a slow reader), so it counts as finished, never the reverse
-    cancelled = sum(1 for r, _ in results if r == "cancelled")
+    cancelled = sum(1 for r, _ in results + [anchored] if r == "cancelled")
     ends = idle["recent_ends"]
-    assert set(ends) <= {"aborted", "finished"} and sum(ends.values()) == len(plan), ends
+    assert set(ends) <= {"aborted", "finished"} and sum(ends.values()) == len(plan) + 1, ends
     assert 1 <= ends.get("aborted", 0) <= cancelled, (ends, cancelled)
     assert idle["pool"]["orphans"] == 0 and idle["pool"]["live_owned"] == 0
     cli = kvsan_owners(server, "--fail-on-orphans")
