@@ -342,6 +342,8 @@ class DeviceChecker:
         (legal), but must not still be held from an earlier step.
         Returns (hits as (rid, block), fresh blocks)."""
         self._settle()
+        if not adds:  # most decode steps: no request got a block
+            return [], []
         hits, fresh, producers, unsealed = [], [], [], []
         null, holders, sealed, req_blocks = self.null, self.holders, self.sealed, self.req_blocks
         for rid, blocks, n_hits in adds:
@@ -415,7 +417,8 @@ class DeviceChecker:
         self.pending_seal.clear()
 
     def will_seal(self, blocks: Iterable[int]) -> None:
-        self.pending_seal.extend(b for b in blocks if b not in self.null)
+        null = self.null
+        self.pending_seal += [b for b in blocks if b not in null]
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)

@@ -129,7 +129,8 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     if payload is not None:
         if payload["reset"]:
             dc.uncache_all()
-        dc.uncache(payload["uncached"])
+        if payload["uncached"]:
+            dc.uncache(payload["uncached"])
     adds = []
     for nr in so.scheduled_new_reqs:
         dc.drop_request(nr.req_id)  # V2 sends resumed requests as new ones
@@ -151,7 +152,8 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     if copies:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
     if payload is not None:
-        dc.will_seal(payload["cached"])
+        if payload["cached"]:
+            dc.will_seal(payload["cached"])
         if dc.poison_on:
             dc.unpoison(layers, fresh)
             # a block handed out again in this same step is overwritten, not read
