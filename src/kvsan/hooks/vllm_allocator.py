@@ -55,11 +55,13 @@ def owner_here(rt) -> str | None:
     return ctx[-1][0] if ctx else owner_from_frames(sys._getframe(1))
 
 
-def _guard(rt, where: str, fn, *args):
+def _guard(rt, where: str, fn, *args, device: bool = False):
     """Run a check and return its result (None if it failed); kvsan's own
     exceptions are counted, violations raised only in raise/abort modes (the
     reporter decides).  The time spent is added to ``rt.overhead_s``
-    (``kvsan_overhead_seconds_total``)."""
+    (``kvsan_overhead_seconds_total``), and with ``device`` (the worker
+    side's checks) to ``rt.device_s`` too, so the two sides' costs can be
+    told apart in one run."""
     t0 = _perf_counter()
     try:
         return fn(*args)
@@ -67,7 +69,10 @@ def _guard(rt, where: str, fn, *args):
         guard_failed(rt, where, e)  # a violation (raise / abort modes) propagates
         return None
     finally:
-        rt.overhead_s += _perf_counter() - t0
+        dt = _perf_counter() - t0
+        rt.overhead_s += dt
+        if device:
+            rt.device_s += dt
 
 
 #: the checker of a pool: (runtime or None, checker or None)

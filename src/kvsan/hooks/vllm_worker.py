@@ -19,13 +19,14 @@ block tables and cache tensors are all visible around ``execute_model``.
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
-from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
 from ..checks.device import DeviceChecker
-from . import Target, guard_failed
+from . import Target
+from .vllm_allocator import _guard
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
@@ -70,22 +71,11 @@ def _layers(runner) -> list:
     return entry[1]
 
 
-def _dguard(rt, where: str, fn, *args):
-    """:func:`_guard` for the device side, its time also added to
-    ``rt.device_s`` (so the two sides' costs can be told apart in one run).
-    The same steps as ``_guard`` inline, with one timer: it runs a few times
-    per step between forward passes, where every frame and clock read is a
-    cache miss."""
-    t0 = _perf_counter()
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - report first, never mask
-        guard_failed(rt, where, e)  # a violation (raise / abort modes) propagates
-        return None
-    finally:
-        dt = _perf_counter() - t0
-        rt.overhead_s += dt
-        rt.device_s += dt
+#: :func:`_guard` for the worker side's checks: ``_dguard(rt, where, fn,
+#: *args)``, its time also added to ``rt.device_s``.  A partial, not a
+#: wrapper function: it runs a few times per step between forward passes,
+#: where every Python frame is a cache miss.
+_dguard = functools.partial(_guard, device=True)
 
 
 def _device_checker(rt, runner) -> DeviceChecker | None:
