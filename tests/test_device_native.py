@@ -356,6 +356,40 @@ def test_deferred_checksums_are_reported_with_their_step_and_never_stale():
     assert found[0].details[0]["check"] == "every step"
 
 
+def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
+    """``sample:N`` with the first sealings' checksums still being copied
+    back from the device (no checksum taken up yet): the sampled step has
+    nothing to sample and waits for them; it used to divide by the number
+    of sealed checksums (zero) and count an internal error every 8 steps
+    until the first copy arrived."""
+
+    class InFlight:  # a CUDA event whose copy has not completed
+        done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    dc = DeviceChecker(NB, BS, emit=lambda v: None, checksum="sample", checksum_sample=1,
+                       defer_sums=True)
+    layers = [torch.randn(NB, 2, BS, 3, generator=torch.Generator().manual_seed(0))]
+    dc.add_step([("a", [3], 0)])
+    dc.guard(torch.arange(3 * BS, 4 * BS), ["a"], [BS])
+    dc.will_seal([3])
+    dc.seal(layers)
+    event = InFlight()
+    dc._pending_sums[0][4] = event  # as from a CUDA device: not arrived
+    for _ in range(2 * DeviceChecker.SAMPLE_BATCH_STEPS):
+        dc.verify_step(layers)
+    assert 3 in dc.sealed and 3 not in dc.sums and dc.counters["verified"] == 0
+    event.done = True
+    for _ in range(DeviceChecker.SAMPLE_BATCH_STEPS):
+        dc.verify_step(layers)
+    assert dc.sums[3] == dc.checksums(layers, [3])[0] and dc.counters["verified"] >= 1
+
+
 def test_the_same_batch_after_requests_change_their_ints(monkeypatch):
     """The guard reuses the last batch's request ints while the batch is the
     same list of requests; two requests preempted and resumed in one step

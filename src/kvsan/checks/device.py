@@ -308,8 +308,17 @@ class DeviceChecker:
             return idx.pin_memory().to(self.device, non_blocking=True)
         return idx if self._host_cache else idx.to(self.device)
 
+    def drop_requests(self, rids: Iterable[str]) -> None:
+        """:meth:`drop_request` for each of ``rids`` the worker view holds
+        (a step lists every new request too: most are not held)."""
+        held, ints = self.req_blocks, self._rid_int
+        for rid in rids:
+            if rid in held or rid in ints:
+                self.drop_request(rid)
+
     def drop_request(self, rid: str) -> None:
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         me = self._rid_int.pop(rid, None)
         blocks = self.req_blocks.pop(rid, ())
         for b in blocks:
@@ -341,7 +350,8 @@ class DeviceChecker:
         and cached for one request may be hit by another in the same step
         (legal), but must not still be held from an earlier step.
         Returns (hits as (rid, block), fresh blocks)."""
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         if not adds:  # most decode steps: no request got a block
             return [], []
         hits, fresh, producers, unsealed = [], [], [], []
@@ -397,7 +407,8 @@ class DeviceChecker:
 
     # -- sealing --------------------------------------------------------------
     def _unseal(self, blocks: list[int]) -> None:
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         for b in blocks:
             self.sealed.pop(b, None)
             self.sums.pop(b, None)
@@ -508,7 +519,8 @@ class DeviceChecker:
     def flush(self) -> None:
         """Check everything still on its way: a deferred write guard, and
         checksums being copied from the device (waits for them)."""
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         self._drain(wait=True)
 
     def _torch_sums(self, layers: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
@@ -553,7 +565,8 @@ class DeviceChecker:
     def seal(self, layers: Sequence[torch.Tensor]) -> None:
         """After a step executed: its freshly cached blocks are now written
         (and the step's deferred write guard, if any, is checked)."""
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         if self._pending_sums:
             self._drain()
         if not self.pending_seal:
@@ -615,7 +628,8 @@ class DeviceChecker:
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies run before the forward: dst holds src's slots."""
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         if pairs:
             self._put(1, [d for _, d in pairs], self._read(1, [s for s, _ in pairs]))
 
@@ -623,13 +637,15 @@ class DeviceChecker:
         """Prefix hits served this step: whether they are written at all is
         checked by :meth:`check_hits_written` once the step's slot mapping
         is known; whether they are intact, by :meth:`verify_step`."""
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         self.step_hits = list(hits)
 
     def check_hits_written(self) -> None:
-        hits, self.step_hits = self.step_hits, []
+        hits = self.step_hits
         if not hits:
             return
+        self.step_hits = []
         filled = self._read(1, [b for _, b in hits])
         for (rid, b), n in zip(hits, filled):
             if n < self.block_size:
@@ -656,12 +672,14 @@ class DeviceChecker:
             self._drain()
         if self.checksum == "off" or not (self.sums or self._pending_sums):
             return
-        whys = dict.fromkeys(hit_blocks, "at prefix hit")
         self._tick += 1
+        if not hit_blocks and self.checksum != "all" and self._tick % self.SAMPLE_BATCH_STEPS:
+            return  # nothing to verify this step
+        whys = dict.fromkeys(hit_blocks, "at prefix hit")
         if self.checksum == "all":
             for b in self.sums:
                 whys.setdefault(b, "every step")
-        elif self._tick % self.SAMPLE_BATCH_STEPS == 0:
+        elif self._tick % self.SAMPLE_BATCH_STEPS == 0 and self.sums:
             keys = list(self.sums)
             n = min(self.checksum_sample * self.SAMPLE_BATCH_STEPS, len(keys))
             start = self._cursor % len(keys)
@@ -704,7 +722,8 @@ class DeviceChecker:
         mapping is copied into host memory asynchronously and checked when
         the step ends (:meth:`_settle`): the reports come at the same step,
         and the copy never waits for the device's queued work."""
-        self._settle()
+        if self._pending_guard is not None:
+            self._settle()
         total = int(sum(tokens_per_req))
         if total == 0:
             self.check_hits_written()
@@ -719,10 +738,10 @@ class DeviceChecker:
                 rint = self._rint
                 ids = [i if i is not None else rint(r) for i, r in zip(ids, batch_rids)]
             self._last_batch = (list(batch_rids), ids)
-        counts = list(tokens_per_req)
+        counts = tokens_per_req if type(tokens_per_req) is list else list(tokens_per_req)
         defer = self._defer_guard
-        if defer is None:
-            defer = slot_mapping.is_cuda
+        if defer is None:  # (a cache in host memory: so is the slot mapping)
+            defer = self._cuda and slot_mapping.is_cuda
         if defer and self._np is not None:
             buf = self._slot_buf(slot_mapping.dtype, total)
             event = _copy_back(buf, slot_mapping[:total])

@@ -58,7 +58,7 @@ def _layers(runner) -> list:
     the tensors themselves, so a new tensor is told by identity (the kept
     ones stay alive: no id can be reused)."""
     caches = runner.kv_caches
-    tensors = list(caches.values()) if isinstance(caches, dict) else caches
+    tensors = caches.values() if isinstance(caches, dict) else caches
     cached = _cached(_LAST_LAYERS, _layer_views, runner)
     if cached is not None and len(cached[0]) == len(tensors) \
             and all(map(operator.is_, cached[0], tensors)):
@@ -104,6 +104,20 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
     return dc
 
 
+def _begin(rt, runner, so):
+    """The step's start, before the forward: the runner's checker and cache
+    tensors (read once for both ends of the step), then :func:`begin_step`.
+    Returns (checker, layers) for sealing after the forward, or None before
+    the KV cache is allocated.  One guarded call: between two forward
+    passes every Python frame and timer is a cache miss."""
+    dc = _device_checker(rt, runner)
+    if dc is None:
+        return None
+    layers = _layers(runner)
+    begin_step(rt, dc, so, layers)
+    return dc, layers
+
+
 def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     """Apply what the scheduler sent for this step, before the forward."""
     payload = getattr(so, "kvsan", None)
@@ -112,19 +126,22 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     else:
         rt.step += 1
     bs = dc.block_size
-    for rid in so.finished_req_ids:
-        dc.drop_request(rid)
-    for rid in getattr(so, "preempted_req_ids", None) or ():
-        dc.drop_request(rid)
+    if so.finished_req_ids:
+        dc.drop_requests(so.finished_req_ids)
+    preempted = getattr(so, "preempted_req_ids", None)
+    if preempted:
+        dc.drop_requests(preempted)
     if payload is not None:
         if payload["reset"]:
             dc.uncache_all()
         if payload["uncached"]:
             dc.uncache(payload["uncached"])
-    adds = []
-    for nr in so.scheduled_new_reqs:
-        dc.drop_request(nr.req_id)  # V2 sends resumed requests as new ones
-        adds.append((nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs))
+    new_reqs = so.scheduled_new_reqs
+    if new_reqs:
+        dc.drop_requests([nr.req_id for nr in new_reqs])  # V2 sends resumed requests as new ones
+        adds = [(nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs) for nr in new_reqs]
+    else:
+        adds = []
     cr = so.scheduled_cached_reqs
     if cr.resumed_req_ids:
         for i, rid in enumerate(cr.req_ids):
@@ -135,8 +152,9 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
             elif new is not None:
                 adds.append((rid, new[0], 0))
     else:  # every running request is listed each step; most have no new block
-        adds += [(rid, new[0], 0) for rid, new in zip(cr.req_ids, cr.new_block_ids)
-                 if new is not None]
+        news = cr.new_block_ids
+        if news.count(None) != len(news):
+            adds += [(rid, new[0], 0) for rid, new in zip(cr.req_ids, news) if new is not None]
     hits, fresh = dc.add_step(adds)
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
@@ -178,20 +196,10 @@ def _execute_model(wrapped, instance, args, kwargs):
     if rt is None:
         return wrapped(*args, **kwargs)
     so = args[0] if args else kwargs["scheduler_output"]
-    dc = None
-    try:
-        dc = _device_checker(rt, instance)
-    except Exception as e:  # noqa: BLE001
-        rt.reporter.internal_error("device_checker", e)
-    layers = None
-    if dc is not None:
-        # the cache tensors of this step, read once for both ends of it
-        layers = _dguard(rt, "execute_model.layers", _layers, instance)
-        if layers is not None:
-            _dguard(rt, "execute_model.begin", begin_step, rt, dc, so, layers)
+    got = _dguard(rt, "execute_model.begin", _begin, rt, instance, so)
     ret = wrapped(*args, **kwargs)
-    if layers is not None:
-        _dguard(rt, "execute_model.seal", dc.seal, layers)
+    if got is not None:
+        _dguard(rt, "execute_model.seal", got[0].seal, got[1])
     return ret
 
 
@@ -206,14 +214,18 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
     rt = _rt.get()
     dc = _cached(_LAST_CHECKER, _checkers, instance) if rt is not None else None
     if dc is not None:
-        def check():
-            num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
-            num_reqs = instance.input_batch.num_reqs
-            table = instance.input_batch.block_table.block_tables[0]
-            dc.guard(table.slot_mapping.gpu, instance.input_batch.req_ids[:num_reqs],
-                     _ints(num_sched[:num_reqs]))
-        _dguard(rt, "_prepare_inputs.guard", check)
+        _dguard(rt, "_prepare_inputs.guard", _guard_v1, dc, instance, args, kwargs)
     return ret
+
+
+def _guard_v1(dc: DeviceChecker, runner, args, kwargs) -> None:
+    """V1: the write guard on the slot mapping ``_prepare_inputs`` filled
+    for this step's batch (a module function, not a closure made per step)."""
+    num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
+    batch = runner.input_batch
+    n = batch.num_reqs
+    dc.guard(batch.block_table.block_tables[0].slot_mapping.gpu, batch.req_ids[:n],
+             _ints(num_sched[:n]))
 
 
 def _prepare_attn_v2(wrapped, instance, args, kwargs):
