@@ -9,7 +9,10 @@ cost against blocks changed per step, for pools of 10k, 100k and 1M blocks.
   ``BlockPool`` (``pool_view``) plus the checker's vectorised ``audit``;
 * per step: a step = one new request allocates ``k`` blocks and an older one
   releases ``k`` (checker events, as the hooks send them), at each pool size.
-  The cost must follow ``k``, not the pool size.
+  The cost must follow ``k``, not the pool size;
+* worker side: the sampled checksum verification (``sample:4``) per step
+  with every block of the pool sealed (small rows: the round robin's own
+  cost, not the checksums').  It must not follow the number of sealed blocks.
 """
 
 from __future__ import annotations
@@ -118,6 +121,34 @@ def per_step(n: int, k: int, steps: int = 40) -> float:
     return statistics.median(times) / 1e3
 
 
+def worker_sample(n: int, batches: int = 8) -> float:
+    """µs per step of the worker's sampled verification (default
+    ``sample:4``: 32 blocks every 8 steps) with all ``n - 1`` blocks sealed."""
+    import torch
+
+    from kvsan.checks.device import DeviceChecker
+
+    out = []
+    dc = DeviceChecker(n, 1, emit=out.append, checksum="sample", checksum_sample=4)
+    layers = [torch.zeros(n, 2)]  # one slot of two floats per block: 8-byte rows
+    blocks = list(range(1, n))
+    dc.add_step([("r", blocks, 0)])
+    dc.guard(torch.arange(1, n), ["r"], [n - 1])
+    dc.will_seal(blocks)
+    dc.seal(layers)
+    assert len(dc.sealed) == n - 1
+    clock = time.thread_time_ns
+    steps = batches * dc.SAMPLE_BATCH_STEPS
+    _freeze()
+    t0 = clock()
+    for _ in range(steps):
+        dc.verify_step(layers)
+    dt = clock() - t0
+    gc.unfreeze()
+    assert not out and dc.counters["verified"] == 4 * steps, dc.counters
+    return dt / steps / 1e3
+
+
 def _freeze():
     """The table is built while the engine starts, and vLLM freezes the
     collector's heap after start-up (vllm/utils/gc_utils.py): a full
@@ -127,7 +158,7 @@ def _freeze():
 
 
 def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
-    res = {"memory": {}, "audit": {}, "step": {}}
+    res = {"memory": {}, "audit": {}, "step": {}, "worker": {}}
     for n in sizes:
         res["memory"][n] = memory(n)
         res["audit"][n] = audit_time(n)
@@ -135,6 +166,8 @@ def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
         for k in ks:
             if 6 * k < n:
                 res["step"][(n, k)] = per_step(n, k)
+        res["worker"][n] = worker_sample(n)
+        gc.collect()
     return res
 
 
@@ -154,10 +187,13 @@ def markdown(res: dict) -> str:
         for k in ks:
             v = res["step"].get((n, k))
             cells.append(f"{v:.0f} ({v / (2 * k):.2f}/block)" if v is not None else "-")
-        rows.append([f"{n:,}"] + cells)
+        w = res.get("worker", {}).get(n)
+        rows.append([f"{n:,}"] + cells + [f"{w:.1f}" if w is not None else "-"])
     out += "\n\nPer-step cost in µs (µs per block changed), a step allocating k blocks " \
-           "and releasing k:\n\n"
-    out += table(["pool blocks"] + [f"k = {k}" for k in ks], rows)
+           "and releasing k; and the worker's sampled checksum verification per step " \
+           "(`sample:4`) with every block sealed:\n\n"
+    out += table(["pool blocks"] + [f"k = {k}" for k in ks]
+                 + ["worker: sampled verification µs/step, all sealed"], rows)
     return out
 
 

@@ -356,12 +356,47 @@ def test_deferred_checksums_are_reported_with_their_step_and_never_stale():
     assert found[0].details[0]["check"] == "every step"
 
 
+def test_the_sampled_round_robin_visits_each_sealed_block_once_per_sweep(monkeypatch):
+    """``sample:1`` over 24 sealed blocks: each batch of 8 takes the next 8
+    of the round robin, so a sweep of three batches verifies every block
+    once; blocks unsealed since leave it (an evicted block is not verified)
+    and come back at its end when sealed again."""
+    dc = DeviceChecker(32, 1, emit=lambda v: None, checksum="sample", checksum_sample=1)
+    layers = [torch.zeros(32, 2)]
+    blocks = list(range(1, 25))
+    dc.add_step([("r", blocks, 0)])
+    dc.guard(torch.arange(1, 25), ["r"], [24])
+    dc.will_seal(blocks)
+    dc.seal(layers)
+    batches = []
+    monkeypatch.setattr(dc, "verify", lambda layers, whys: batches.append(list(whys)))
+
+    def sweep(n):
+        del batches[:]
+        for _ in range(n * DeviceChecker.SAMPLE_BATCH_STEPS):
+            dc.verify_step(layers)
+        return batches
+
+    assert sweep(3) == [blocks[:8], blocks[8:16], blocks[16:]]
+    dc.uncache([2, 9])
+    live = [b for b in blocks if b not in (2, 9)]
+    assert sum(sweep(3), []) == live + live[:2]  # 22 blocks, 24 taken: it wraps round
+    dc.drop_request("r")
+    dc.add_step([("s", [2], 0)])
+    dc.guard(torch.tensor([2]), ["s"], [1])
+    dc.will_seal([2])
+    dc.seal(layers)
+    taken = sum(sweep(3), [])
+    assert taken.count(2) == 1 and 9 not in taken and set(taken) == set(blocks) - {9}
+
+
 def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
     """``sample:N`` with the first sealings' checksums still being copied
-    back from the device (no checksum taken up yet): the sampled step has
-    nothing to sample and waits for them; it used to divide by the number
-    of sealed checksums (zero) and count an internal error every 8 steps
-    until the first copy arrived."""
+    back from the device (no checksum taken up yet): the sampled step
+    queues its verification behind them, and it is compared once they are
+    taken up.  It used to sample from the checksums taken up, dividing by
+    their number (zero): an internal error every 8 steps until the first
+    copy arrived."""
 
     class InFlight:  # a CUDA event whose copy has not completed
         done = False
@@ -372,7 +407,8 @@ def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
         def synchronize(self):
             self.done = True
 
-    dc = DeviceChecker(NB, BS, emit=lambda v: None, checksum="sample", checksum_sample=1,
+    found: list = []
+    dc = DeviceChecker(NB, BS, emit=found.append, checksum="sample", checksum_sample=1,
                        defer_sums=True)
     layers = [torch.randn(NB, 2, BS, 3, generator=torch.Generator().manual_seed(0))]
     dc.add_step([("a", [3], 0)])
@@ -383,11 +419,17 @@ def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
     dc._pending_sums[0][4] = event  # as from a CUDA device: not arrived
     for _ in range(2 * DeviceChecker.SAMPLE_BATCH_STEPS):
         dc.verify_step(layers)
-    assert 3 in dc.sealed and 3 not in dc.sums and dc.counters["verified"] == 0
+    assert 3 in dc.sealed and 3 not in dc.sums and dc.counters["verified"] == 2
+    layers[0][3].view(-1)[7] += 1  # a scribble, once the sealing's copy has arrived
     event.done = True
+    dc.flush()
+    assert dc.sums[3] != dc.checksums(layers, [3])[0]
+    assert found == []  # the queued verifications were of the bytes as sealed
     for _ in range(DeviceChecker.SAMPLE_BATCH_STEPS):
         dc.verify_step(layers)
-    assert dc.sums[3] == dc.checksums(layers, [3])[0] and dc.counters["verified"] >= 1
+    dc.flush()
+    assert [(v.kind, v.blocks, v.details[0]["check"]) for v in found] == \
+        [("checksum_mismatch", [3], "sampled")]
 
 
 def test_the_same_batch_after_requests_change_their_ints(monkeypatch):

@@ -34,6 +34,7 @@ operations were also a host sync; the step's checks are dozens of them).
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -207,7 +208,12 @@ class DeviceChecker:
         self.sealed: dict[int, int] = {}  # block -> step its writer completed
         self.pending_seal: list[int] = []
         self.sums: dict[int, tuple] = {}  # block -> per-layer checksums
-        self._cursor = 0
+        #: the sampled verification's round robin: sealed blocks, the next
+        #: to verify on the left (a block unsealed since is dropped when
+        #: reached), and the set of blocks in it.  Taking a batch costs its
+        #: size, not the number of sealed blocks (a pool on a GPU has 1e5-1e6)
+        self._sweep: deque[int] = deque()
+        self._in_sweep: set[int] = set()
         self._tick = 0
         self._weights: dict[int, torch.Tensor] = {}
         self._chunks_host = chunk_multipliers(0)
@@ -425,6 +431,8 @@ class DeviceChecker:
 
     def uncache_all(self) -> None:
         self._unseal(list(self.sealed))
+        self._sweep.clear()
+        self._in_sweep.clear()
         self.pending_seal.clear()
 
     def will_seal(self, blocks: Iterable[int]) -> None:
@@ -584,8 +592,12 @@ class DeviceChecker:
             else:
                 for b, s in zip(blocks, self.checksums(layers, blocks)):
                     self.sums[b] = s
+        sweep, in_sweep = self._sweep, self._in_sweep
         for b in blocks:
             self.sealed[b] = now
+            if b not in in_sweep:
+                in_sweep.add(b)
+                sweep.append(b)
         self._put(2, blocks, True)
         self.counters["sealed"] += len(blocks)
 
@@ -679,14 +691,26 @@ class DeviceChecker:
         if self.checksum == "all":
             for b in self.sums:
                 whys.setdefault(b, "every step")
-        elif self._tick % self.SAMPLE_BATCH_STEPS == 0 and self.sums:
-            keys = list(self.sums)
-            n = min(self.checksum_sample * self.SAMPLE_BATCH_STEPS, len(keys))
-            start = self._cursor % len(keys)
-            self._cursor = start + n
-            for b in (keys + keys)[start:start + n]:
+        elif self._tick % self.SAMPLE_BATCH_STEPS == 0:
+            for b in self._sample(self.checksum_sample * self.SAMPLE_BATCH_STEPS):
                 whys.setdefault(b, "sampled")
         self.verify(layers, whys)
+
+    def _sample(self, n: int) -> list[int]:
+        """The next ``n`` sealed blocks of the round robin (each at most
+        once), moved to its end; blocks met that are no longer sealed leave
+        it (each is met once, so a batch costs about ``n`` steps of the loop)."""
+        sweep, sealed, chosen = self._sweep, self.sealed, []
+        for _ in range(len(sweep)):
+            if len(chosen) >= n:
+                break
+            b = sweep.popleft()
+            if b in sealed:
+                chosen.append(b)
+                sweep.append(b)
+            else:
+                self._in_sweep.discard(b)
+        return chosen
 
     # -- poison -----------------------------------------------------------------
     def poison(self, layers, blocks: Iterable[int]) -> None:
