@@ -67,7 +67,15 @@ def release(pool, everything: bool = False) -> None:
     held = _held.get(pool)
     if not held or rt is None:
         return
-    due = [b for b, at in held.items() if everything or at <= rt.step]
+    if everything:
+        due = list(held)
+    else:  # held in the order they were quarantined, so in release-step order:
+        due = []  # the due ones are a prefix (a step's cost follows them, not the held)
+        now = rt.step
+        for b, at in held.items():
+            if at > now:
+                break
+            due.append(b)
     for b in due:
         del held[b]
     if due:
