@@ -229,9 +229,9 @@ def test_new_producers_recorded_natively(rt, native):
     finally:
         hook.observer = observer
     assert calls == (["P1"] if native else ["P1", "P2"])
-    producers = vllm_identity._audit(rt, m.block_pool).producers
+    audit = vllm_identity._audit(rt, m.block_pool)
     for rid in ("P1", "P2"):
-        assert [producers[b][1] for b in m.get_block_ids(rid)[0][:2]] == [rid, rid]
+        assert [audit.producer(b)[1] for b in m.get_block_ids(rid)[0][:2]] == [rid, rid]
     assert kinds_of(rt) == []
 
 
@@ -398,3 +398,48 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request():
     del new
     gc.collect()
     assert "kc-3" not in chains
+
+
+def test_records_beyond_their_lists_are_made_in_python_and_grown(native):
+    """The producer records are per-block lists sized for the pool.  A block
+    beyond them (a caller that gave no pool size) is not dropped: the C path
+    declines the call, Python records it and grows the lists, and a later
+    hit on it is compared like any other (here: other tokens, a mismatch)."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvsan import hooks
+    from kvsan.checks.identity import IdentityAudit, RequestIdentity
+
+    found = []
+    audit = IdentityAudit(found.append, num_blocks=4)
+    static = (b"l" * 16, b"s" * 16, b"d" * 16)
+    blocks = []
+    for b in (1, 6):
+        blk = KVCacheBlock(block_id=b)
+        blk.set_block_hash(bytes([b]) * 32)
+        blocks.append(blk)
+
+    def chain(offset):
+        ident = RequestIdentity(static)
+        ident.extend(2, [t + offset for t in TOKENS[:2 * BLOCK]], BLOCK, None, None)
+        return ident
+
+    fast = hooks.SHADOWFAST
+    producer, consumer = chain(0), chain(1000)
+    if native:
+        assert fast.identity_record(audit.records, "P", producer, b"w", blocks, 0, 2) is False
+    audit.on_cached("P", producer, b"w", [(i, b.block_id, b.block_hash)
+                                          for i, b in enumerate(blocks)])
+    assert [len(lst) for lst in audit.records] == [7] * 5
+    assert [audit.producer(b.block_id)[1:4:2] for b in blocks] == [("P", 0), ("P", 1)]
+    if native:
+        compared, mism = fast.identity_hits(audit.records, consumer, b"w", blocks)
+        assert compared == 2 and [(i, b) for i, b, _, _ in mism] == [(0, 1), (1, 6)]
+        for i, b, key, known in mism:
+            audit.mismatch(b, key, "C", consumer, i, b"w", known)
+    else:
+        audit.on_hits("C", consumer, b"w", [(i, b.block_id, b.block_hash)
+                                           for i, b in enumerate(blocks)])
+    assert [(v.kind, v.blocks, v.owners, v.details[0]["fields"]) for v in found] == [
+        ("cache_key_mismatch", [1], ["C", "P"], ["tokens"]),
+        ("cache_key_mismatch", [6], ["C", "P"], ["tokens"])]

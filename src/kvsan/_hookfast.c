@@ -316,8 +316,8 @@ arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos,
 /* The identity audit's producer record for a known text-only request, as
  * its Python observer makes it (kvsan.hooks.vllm_identity._cached) without
  * a Python frame.  ``h->identity`` is set by that observer once it handled
- * a call: (weak ref to the runtime, weak ref to the pool, producers dict,
- * chains dict, hash block size, [weights digest], known_chain,
+ * a call: (weak ref to the runtime, weak ref to the pool, the producer
+ * records, chains dict, hash block size, [weights digest], known_chain,
  * identity_record, [make]), known_chain and identity_record being kvsan's
  * own C functions; with ``make`` known_chain starts a new text-only
  * request's chain as the observer would.  1: done; 0: not taken (another
@@ -374,7 +374,11 @@ identity_observe(Hook *h, PyObject *rt, PyObject *const *argv)
         PyErr_Clear();
         return 0;
     }
+    int all = r == Py_True;
     Py_DECREF(r);
+    if (!all) { /* a block it could not record: the Python observer records the call */
+        return 0;
+    }
     double dt = now() - t0;
     h->observed++;
     h->observe_seconds += dt;
@@ -564,7 +568,7 @@ end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *
  * audit's hit check (kvsan.hooks.vllm_identity._check_hits) for a request
  * whose chain is known or that known_chain can start, when nothing
  * mismatches.  ``h->identity`` is set by the Python hook once it handled a
- * call: (weak ref to the runtime, weak ref to the pool, producers, chains,
+ * call: (weak ref to the runtime, weak ref to the pool, producer records, chains,
  * hash block size, [weights digest], known_chain, identity_hits, [make],
  * the scheduler's requests dict, the audit); the one-item lists are read on
  * every call (a weights update or a new KV dtype replaces their item).
@@ -1078,7 +1082,7 @@ static PyGetSetDef hook_getset[] = {
      NULL},
     {"identity", (getter)hook_get_identity, (setter)hook_set_identity,
      "the identity audit's clean route in C, or None.  K_CACHE: (weak ref to the runtime, "
-     "weak ref to the pool, producers, chains, hash block size, [weights digest], "
+     "weak ref to the pool, producer records, chains, hash block size, [weights digest], "
      "known_chain, identity_record, [make]); K_HITS: (the same first six, known_chain, "
      "identity_hits, [make], the scheduler's requests, the audit)",
      NULL},

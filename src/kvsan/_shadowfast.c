@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 3
+#define KVSAN_SHADOWFAST_ABI 4
 
 #include <opcode.h>
 #include <structmember.h>
@@ -1595,27 +1595,61 @@ error:
 }
 
 /* ---- identity audit: producer records and hit checks over vLLM's blocks ----
- * kvsan.checks.identity.IdentityAudit keeps, per cached block, its producer
- * as a tuple (engine key, producer, RequestIdentity, index, weights digest).
- * These two functions do what the adapter's list comprehensions and
+ * kvsan.checks.identity.IdentityAudit keeps, per block, its producer record
+ * in five per-block lists (``records``: engine key, producer, producer
+ * chain, index in it, weights digest; key None: no record).  These two
+ * functions do what the adapter's list comprehensions and
  * IdentityAudit.on_cached / on_hits do, reading the blocks here; a mismatch
  * is returned to Python, which reports it with the same code. */
 
+enum { R_KEY, R_PRODUCER, R_CHAIN, R_INDEX, R_WEIGHTS, N_RECORD };
+
+/* the records tuple's five lists (borrowed) and their common length, or -1
+ * with a TypeError */
+static Py_ssize_t
+records_arg(PyObject *rec, PyObject **lists, const char *fn)
+{
+    if (PyTuple_CheckExact(rec) && PyTuple_GET_SIZE(rec) == N_RECORD) {
+        Py_ssize_t n = -1;
+        int i;
+        for (i = 0; i < N_RECORD; i++) {
+            lists[i] = PyTuple_GET_ITEM(rec, i);
+            if (!PyList_CheckExact(lists[i])
+                || (n >= 0 && PyList_GET_SIZE(lists[i]) != n)) {
+                break;
+            }
+            n = PyList_GET_SIZE(lists[i]);
+        }
+        if (i == N_RECORD) {
+            return n;
+        }
+    }
+    PyErr_Format(PyExc_TypeError, "%s: records must be a tuple of 5 lists of one length", fn);
+    return -1;
+}
+
 static PyObject *s_tok, *s_static, *s_mm, *s_emb;
 
-/* identity_record(producers, producer, ident, weights, blocks, lo, hi) -> None:
+/* identity_record(records, producer, ident, weights, blocks, lo, hi) -> bool:
  * blocks[lo:hi] cached by ``producer``; a block keeps its first producer
- * while its key is unchanged */
+ * while its key is unchanged.  True: all recorded; False: a block this
+ * cannot record (beyond the records, or an id that is not a plain int) was
+ * met, and Python must record the call (IdentityAudit.on_cached, which grows
+ * the records; records already made here are made again, the same). */
 static PyObject *
 identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 7 || !PyDict_CheckExact(args[0]) || !PyList_Check(args[4])) {
+    if (nargs != 7 || !PyList_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError,
-                        "identity_record(producers: dict, producer, ident, weights, "
-                        "blocks: list, lo, hi)");
+                        "identity_record(records, producer, ident, weights, blocks: list, lo, hi)");
         return NULL;
     }
-    PyObject *producers = args[0], *blocks = args[4];
+    PyObject *lists[N_RECORD];
+    Py_ssize_t n = records_arg(args[0], lists, "identity_record");
+    if (n < 0) {
+        return NULL;
+    }
+    PyObject *blocks = args[4];
     Py_ssize_t lo = PyLong_AsSsize_t(args[5]), hi = PyLong_AsSsize_t(args[6]);
     if (PyErr_Occurred()) {
         return NULL;
@@ -1625,7 +1659,7 @@ identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     for (Py_ssize_t i = lo; i < hi && i < PyList_GET_SIZE(blocks); i++) {
         PyObject *blk = Py_NewRef(PyList_GET_ITEM(blocks, i));
-        PyObject *key = NULL, *id = NULL, *rec = NULL;
+        PyObject *key = NULL;
         int isnull = attr_true(blk, A_IS_NULL);
         if (isnull < 0) {
             goto fail;
@@ -1643,42 +1677,47 @@ identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(blk);
             continue;
         }
-        id = get_field(blk, A_BLOCK_ID);
-        if (id == NULL) {
+        Py_ssize_t b = -1;
+        int r = int_attr(blk, A_BLOCK_ID, &b);
+        if (r < 0) {
             goto fail;
         }
-        PyObject *known = PyDict_GetItemWithError(producers, id); /* borrowed */
-        if (known == NULL && PyErr_Occurred()) {
-            goto fail;
+        if (r > 0 || b < 0 || b >= n) { /* not a plain id, or beyond the records */
+            Py_DECREF(key);
+            Py_DECREF(blk);
+            Py_RETURN_FALSE; /* Python records them (and grows the records) */
         }
+        PyObject *known = PyList_GET_ITEM(lists[R_KEY], b);
         int same = 0;
-        if (known != NULL && PyTuple_Check(known) && PyTuple_GET_SIZE(known) == 5) {
-            same = PyObject_RichCompareBool(PyTuple_GET_ITEM(known, 0), key, Py_EQ);
+        if (known != Py_None) {
+            same = PyObject_RichCompareBool(known, key, Py_EQ);
             if (same < 0) {
                 goto fail;
             }
         }
         if (!same) {
-            PyObject *items[5] = {Py_NewRef(key), Py_NewRef(args[1]), Py_NewRef(args[2]),
-                                  PyLong_FromSsize_t(i), Py_NewRef(args[3])};
-            rec = tuple_steal(5, items);
-            if (rec == NULL || PyDict_SetItem(producers, id, rec) < 0) {
+            PyObject *k = PyLong_FromSsize_t(i);
+            if (k == NULL) {
                 goto fail;
             }
-            Py_DECREF(rec);
+            PyObject *vals[N_RECORD] = {key, args[1], args[2], k, args[3]};
+            for (int f = 0; f < N_RECORD; f++) {
+                if (set_list(lists[f], b, vals[f]) < 0) {
+                    Py_DECREF(k);
+                    goto fail;
+                }
+            }
+            Py_DECREF(k);
         }
-        Py_DECREF(id);
         Py_DECREF(key);
         Py_DECREF(blk);
         continue;
     fail:
-        Py_XDECREF(rec);
-        Py_XDECREF(id);
         Py_XDECREF(key);
         Py_DECREF(blk);
         return NULL;
     }
-    Py_RETURN_NONE;
+    Py_RETURN_TRUE;
 }
 
 /* item ``i`` of list attribute ``name`` of ``obj`` (new reference), or NULL
@@ -1733,18 +1772,23 @@ same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
     return 1;
 }
 
-/* identity_hits(producers, ident, weights, blocks) -> (blocks compared,
+/* identity_hits(records, ident, weights, blocks) -> (blocks compared,
  * [(index, block, key, producer record) of each mismatch]), or None (the
  * Python check must run) */
 static PyObject *
 identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyList_Check(args[3])) {
+    if (nargs != 4 || !PyList_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,
-                        "identity_hits(producers: dict, ident, weights, blocks: list)");
+                        "identity_hits(records, ident, weights, blocks: list)");
         return NULL;
     }
-    PyObject *producers = args[0], *ident = args[1], *weights = args[2], *blocks = args[3];
+    PyObject *lists[N_RECORD];
+    Py_ssize_t n = records_arg(args[0], lists, "identity_hits");
+    if (n < 0) {
+        return NULL;
+    }
+    PyObject *ident = args[1], *weights = args[2], *blocks = args[3];
     PyObject *mism = PyList_New(0);
     if (mism == NULL) {
         return NULL;
@@ -1752,7 +1796,7 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t checked = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
         PyObject *blk = Py_NewRef(PyList_GET_ITEM(blocks, i));
-        PyObject *key = NULL, *id = NULL, *known = NULL;
+        PyObject *key = NULL;
         int isnull = attr_true(blk, A_IS_NULL);
         if (isnull < 0) {
             goto fail;
@@ -1761,23 +1805,25 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(blk);
             continue;
         }
-        id = get_field(blk, A_BLOCK_ID);
-        key = id == NULL ? NULL : get_field(blk, A_BLOCK_HASH);
+        Py_ssize_t b = -1;
+        int r = int_attr(blk, A_BLOCK_ID, &b);
+        if (r < 0) {
+            goto fail;
+        }
+        if (r > 0) { /* not a plain id: let Python look */
+            Py_DECREF(blk);
+            Py_DECREF(mism);
+            Py_RETURN_NONE;
+        }
+        key = get_field(blk, A_BLOCK_HASH);
         if (key == NULL) {
             goto fail;
         }
-        known = PyDict_GetItemWithError(producers, id);
-        if (known == NULL) {
-            if (PyErr_Occurred()) {
-                goto fail;
-            }
+        PyObject *known = b >= 0 && b < n ? PyList_GET_ITEM(lists[R_KEY], b) : Py_None;
+        if (known == Py_None || key == Py_None) {
             goto next; /* cached on a path kvsan did not see */
         }
-        Py_INCREF(known);
-        if (key == Py_None || !PyTuple_Check(known) || PyTuple_GET_SIZE(known) != 5) {
-            goto next;
-        }
-        int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(known, 0), key, Py_EQ);
+        int eq = PyObject_RichCompareBool(known, key, Py_EQ);
         if (eq < 0) {
             goto fail;
         }
@@ -1785,19 +1831,17 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto next;
         }
         checked++;
-        PyObject *pweights = PyTuple_GET_ITEM(known, 4);
+        PyObject *pweights = PyList_GET_ITEM(lists[R_WEIGHTS], b);
         int ok = pweights == weights ? 1 : PyObject_RichCompareBool(pweights, weights, Py_EQ);
         if (ok == 1) {
-            Py_ssize_t k = PyLong_AsSsize_t(PyTuple_GET_ITEM(known, 3));
+            Py_ssize_t k = PyLong_AsSsize_t(PyList_GET_ITEM(lists[R_INDEX], b));
             if (k == -1 && PyErr_Occurred()) {
                 goto fail;
             }
-            ok = same_inputs(PyTuple_GET_ITEM(known, 2), k, ident, i);
+            ok = same_inputs(PyList_GET_ITEM(lists[R_CHAIN], b), k, ident, i);
         }
         if (ok == -2) { /* a chain shorter than its index: let Python look */
-            Py_DECREF(known);
             Py_DECREF(key);
-            Py_DECREF(id);
             Py_DECREF(blk);
             Py_DECREF(mism);
             Py_RETURN_NONE;
@@ -1806,7 +1850,12 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             goto fail;
         }
         if (!ok) {
-            PyObject *m = Py_BuildValue("(nOOO)", i, id, key, known);
+            PyObject *rec[N_RECORD];
+            for (int f = 0; f < N_RECORD; f++) {
+                rec[f] = Py_NewRef(PyList_GET_ITEM(lists[f], b));
+            }
+            PyObject *record = tuple_steal(N_RECORD, rec);
+            PyObject *m = record == NULL ? NULL : Py_BuildValue("(nnON)", i, b, key, record);
             if (m == NULL || PyList_Append(mism, m) < 0) {
                 Py_XDECREF(m);
                 goto fail;
@@ -1814,15 +1863,11 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             Py_DECREF(m);
         }
     next:
-        Py_XDECREF(known);
         Py_DECREF(key);
-        Py_DECREF(id);
         Py_DECREF(blk);
         continue;
     fail:
-        Py_XDECREF(known);
         Py_XDECREF(key);
-        Py_XDECREF(id);
         Py_DECREF(blk);
         Py_DECREF(mism);
         return NULL;
@@ -1833,9 +1878,9 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef module_methods[] = {
     {"identity_record", (PyCFunction)(void (*)(void))identity_record, METH_FASTCALL,
-     "identity_record(producers, producer, ident, weights, blocks, lo, hi) -> None"},
+     "identity_record(records, producer, ident, weights, blocks, lo, hi) -> all recorded"},
     {"identity_hits", (PyCFunction)(void (*)(void))identity_hits, METH_FASTCALL,
-     "identity_hits(producers, ident, weights, blocks) -> (compared, mismatches) or None"},
+     "identity_hits(records, ident, weights, blocks) -> (compared, mismatches) or None"},
     {"read_pool", read_pool, METH_O,
      "read_pool(blocks) -> (int64 ref counts as bytes, free-queue flags as bytes), or None"},
     {"slot_reads", slot_reads, METH_O,

@@ -154,6 +154,10 @@ class RequestIdentity:
                 and self.mm[k] == other.mm[i] and self.emb[k] == other.emb[i])
 
 
+#: the producer records' per-block lists, in this order (see IdentityAudit.records)
+RECORD_FIELDS = ("key", "producer", "chain", "index", "weights")
+
+
 class IdentityAudit:
     """Producer identity per cached block, compared with each consumer's.
 
@@ -162,37 +166,62 @@ class IdentityAudit:
     tuple is built when a block is cached, and the field digests are spelled
     out only for a report."""
 
-    def __init__(self, emit: Callable[[Violation], None], step: Callable[[], int] = lambda: 0):
+    def __init__(self, emit: Callable[[Violation], None], step: Callable[[], int] = lambda: 0,
+                 num_blocks: int = 0):
         self.emit = emit
         self.step = step
-        #: block -> (engine cache key, producer, producer chain, index in it,
-        #: weights digest when cached)
-        self.producers: dict[int, tuple[bytes, str, RequestIdentity, int, bytes]] = {}
+        #: the producer record of each block, as five per-block lists
+        #: (:data:`RECORD_FIELDS`: engine cache key, producer, producer
+        #: chain, index in it, weights digest when cached); a block without a
+        #: record has key None.  A few references per block, made once for
+        #: the pool: a tuple and a dict entry per cached block cost about
+        #: 150 bytes (``python -m benchmarks.scale``).  A tuple of lists so
+        #: the C paths (``kvsan._shadowfast``) read it without attribute
+        #: lookups; a block beyond the lists grows them.
+        self.records: tuple[list, list, list, list, list] = tuple(
+            [None] * num_blocks if f != "index" else [0] * num_blocks for f in RECORD_FIELDS)
         self.checked = 0
+
+    def _grow(self, n: int) -> None:
+        for f, lst in zip(RECORD_FIELDS, self.records):
+            lst.extend([0 if f == "index" else None] * (n - len(lst)))
+
+    def producer(self, block: int) -> tuple[bytes, str, RequestIdentity, int, bytes] | None:
+        """Block ``block``'s producer record (key, producer, chain, index,
+        weights digest), or None."""
+        keys = self.records[0]
+        if not 0 <= block < len(keys) or keys[block] is None:
+            return None
+        return tuple(lst[block] for lst in self.records)
 
     def on_cached(self, producer: str, ident: RequestIdentity, weights: bytes,
                   blocks: Iterable[tuple[int, int, bytes]]) -> None:
         """``producer`` cached ``blocks`` = (index in its chain, block, engine
         key); a block keeps its first producer while its key is unchanged."""
-        producers = self.producers
+        keys, owners, chains, index, weights_of = self.records
         for k, block, key in blocks:
-            known = producers.get(block)
-            if known is None or known[0] != key:
-                producers[block] = (key, producer, ident, k, weights)
+            if block >= len(keys):
+                self._grow(block + 1)
+            known = keys[block]
+            if known is None or known != key:
+                keys[block], owners[block], chains[block] = key, producer, ident
+                index[block], weights_of[block] = k, weights
 
     def on_hits(self, consumer: str, ident: RequestIdentity, weights: bytes,
                 blocks: Iterable[tuple[int, int, bytes | None]]) -> None:
         """``consumer`` was served ``blocks`` = (index in its chain, block,
         engine key) from the prefix cache."""
-        producers = self.producers
+        keys, _, chains, index, weights_of = self.records
+        n = len(keys)
         for i, block, key in blocks:
-            known = producers.get(block)
-            if known is None or key is None or known[0] != key:
+            known = keys[block] if 0 <= block < n else None
+            if known is None or key is None or known != key:
                 continue  # cached on a path kvsan did not see: nothing to compare
             self.checked += 1
-            if not ((known[4] is weights or known[4] == weights)
-                    and known[2].same(known[3], ident, i)):
-                self.mismatch(block, key, consumer, ident, i, weights, known)
+            theirs = weights_of[block]
+            if not ((theirs is weights or theirs == weights)
+                    and chains[block].same(index[block], ident, i)):
+                self.mismatch(block, key, consumer, ident, i, weights, self.producer(block))
 
     def mismatch(self, block, key, consumer, ident, i, weights, known) -> None:
         """Report that ``consumer`` (chain ``ident``, prefix block ``i``)

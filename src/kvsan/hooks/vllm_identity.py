@@ -93,7 +93,8 @@ def _audit(rt, pool) -> IdentityAudit | None:
         return None
     a = _audits.get(pool)
     if a is None:
-        a = _audits[pool] = IdentityAudit(rt.reporter.emit, rt.get_step)
+        a = _audits[pool] = IdentityAudit(rt.reporter.emit, rt.get_step,
+                                          getattr(pool, "num_gpu_blocks", 0))
     _LAST[:] = [rt, weakref.ref(pool), a, _requests_of.get(pool)]
     return a
 
@@ -224,18 +225,19 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
         audit = last[2]
         ident = _chain(request, pool.hash_block_size, hi)
         fast = _hooks.SHADOWFAST
+        recorded = False
         if fast is not None and type(blocks) is list:  # the same records, read in C
-            fast.identity_record(audit.producers, request.request_id, ident, _WEIGHTS[0],
-                                 blocks, lo, hi)
+            recorded = fast.identity_record(audit.records, request.request_id, ident,
+                                            _WEIGHTS[0], blocks, lo, hi)
             hook, known = _NATIVE_OBSERVED[0], _identity.known_chain
             if known is not None and hook is not None:
                 # from now on the native hook makes these records itself for
                 # a request whose chain is known or a text-only one it can
                 # start (kvsan._hookfast's identity_observe)
-                hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.producers, _chains,
+                hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.records, _chains,
                                  pool.hash_block_size, _WEIGHTS, known, fast.identity_record,
                                  _MAKE)
-        else:
+        if not recorded:  # (C declines a block beyond the records: they grow here)
             audit.on_cached(request.request_id, ident, _WEIGHTS[0],
                             [(i, b.block_id, b.block_hash)
                              for i, b in enumerate(blocks[lo:hi], lo)
@@ -274,7 +276,7 @@ def _hand_hits_to_native(rt, pool, audit, requests) -> None:
     hook = _NATIVE_HITS[0]
     known, fast = _identity.known_chain, _hooks.SHADOWFAST
     if hook is not None and known is not None and fast is not None and requests is not None:
-        hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.producers, _chains,
+        hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.records, _chains,
                          pool.hash_block_size, _WEIGHTS, known, fast.identity_hits, _MAKE,
                          requests, audit)
 
@@ -302,7 +304,7 @@ def _check_hits(audit, pool, args, kwargs, caller) -> bool:
     ident = _chain(request, bs, len(blocks))
     weights = _WEIGHTS[0]
     fast = _hooks.SHADOWFAST
-    got = (fast.identity_hits(audit.producers, ident, weights, blocks)
+    got = (fast.identity_hits(audit.records, ident, weights, blocks)
            if fast is not None and type(blocks) is list else None)
     if got is None:
         audit.on_hits(rid, ident, weights,
