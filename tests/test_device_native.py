@@ -356,6 +356,48 @@ def test_deferred_checksums_are_reported_with_their_step_and_never_stale():
     assert found[0].details[0]["check"] == "every step"
 
 
+def test_a_block_nobody_writes_in_the_view_is_not_sealed_from_a_stale_count():
+    """A block cached for a request that was served it, not handed it fresh
+    (as a KV connector's load looks to the worker: no slot mapping writes
+    it), keeps the written-slot count of its previous use.  It must not be
+    sealed from that count: the connector's bytes arrive afterwards, and
+    every verification would then report a checksum mismatch."""
+    found: list = []
+    dc = DeviceChecker(NB, BS, emit=found.append, checksum="all")
+    layers = [torch.randn(NB, 2, BS, 3, generator=torch.Generator().manual_seed(0))]
+    dc.add_step([("a", [3], 0)])
+    dc.guard(torch.arange(3 * BS, 4 * BS), ["a"], [BS])  # fully written by a
+    dc.drop_request("a")
+    dc.uncache([3])  # evicted and handed out again...
+    dc.add_step([("b", [3], 1)])  # ...to b as already computed (a connector load)
+    dc.will_seal([3])
+    dc.seal(layers)
+    assert 3 not in dc.pending_seal and 3 not in dc.sealed
+    layers[0][3].normal_()  # the loaded bytes
+    for _ in range(3):
+        dc.verify_step(layers)
+        dc.seal(layers)
+    assert found == []
+
+
+def test_pending_blocks_whose_producer_left_unfinished_are_dropped():
+    """A cached block waits to be sealed only while its producer can still
+    write it; one left partly written is dropped, not scanned every step."""
+    dc = DeviceChecker(NB, BS, emit=lambda v: None, checksum="sample")
+    layers = [torch.zeros(NB, 2, BS, 3)]
+    dc.add_step([("a", [5, 6], 0)])
+    dc.guard(torch.arange(5 * BS, 5 * BS + BS // 2), ["a"], [BS // 2])  # block 5 half written
+    dc.will_seal([5, 6])
+    dc.seal(layers)
+    assert list(dc.pending_seal) == [5, 6] and not dc.sealed  # a can still write them
+    dc.guard(torch.arange(6 * BS, 7 * BS), ["a"], [BS])
+    dc.seal(layers)
+    assert list(dc.pending_seal) == [5] and list(dc.sealed) == [6]
+    dc.drop_request("a")  # finished, block 5 never completed
+    dc.seal(layers)
+    assert not dc.pending_seal and list(dc.sealed) == [6]
+
+
 def test_the_sampled_round_robin_visits_each_sealed_block_once_per_sweep(monkeypatch):
     """``sample:1`` over 24 sealed blocks: each batch of 8 takes the next 8
     of the round robin, so a sweep of three batches verifies every block

@@ -206,7 +206,9 @@ class DeviceChecker:
         self.step_hits: list[tuple[str, int]] = []
         # sealing and checksums
         self.sealed: dict[int, int] = {}  # block -> step its writer completed
-        self.pending_seal: list[int] = []
+        #: cached blocks still being written by their producer, in order: a
+        #: dict as an ordered set (an eviction removes its blocks in O(1))
+        self.pending_seal: dict[int, None] = {}
         self.sums: dict[int, tuple] = {}  # block -> per-layer checksums
         #: the sampled verification's round robin: sealed blocks, the next
         #: to verify on the left (a block unsealed since is dropped when
@@ -425,9 +427,10 @@ class DeviceChecker:
         if not blocks:
             return
         self._unseal(blocks)
-        if self.pending_seal:
-            gone = set(blocks)
-            self.pending_seal = [b for b in self.pending_seal if b not in gone]
+        pending = self.pending_seal
+        if pending:
+            for b in blocks:
+                pending.pop(b, None)
 
     def uncache_all(self) -> None:
         self._unseal(list(self.sealed))
@@ -436,8 +439,21 @@ class DeviceChecker:
         self.pending_seal.clear()
 
     def will_seal(self, blocks: Iterable[int]) -> None:
+        """Blocks the scheduler cached this step: sealed once written.  Only
+        those a request of the worker view produces (writes through the
+        slot mappings the guard counts): a block a KV connector loaded, or
+        one of a KV cache group the view does not follow, is never counted
+        in ``fill``.  Taken, it stayed pending for good (scanned every step:
+        milliseconds per step once thousands piled up), or was sealed from
+        the count of its previous use, before its new bytes arrived."""
         null = self.null
-        self.pending_seal += [b for b in blocks if b not in null]
+        blocks = [b for b in blocks if b not in null]
+        if not blocks:
+            return
+        pending = self.pending_seal
+        for b, producer in zip(blocks, self._read(0, blocks)):
+            if producer != _NONE:
+                pending[b] = None
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -577,12 +593,17 @@ class DeviceChecker:
             self._settle()
         if self._pending_sums:
             self._drain()
-        if not self.pending_seal:
+        pending = self.pending_seal
+        if not pending:
             return
-        pending = list(dict.fromkeys(self.pending_seal))
-        full = [n >= self.block_size for n in self._read(1, pending)]
-        blocks = [b for b, f in zip(pending, full) if f]
-        self.pending_seal = [b for b, f in zip(pending, full) if not f]
+        waiting = list(pending)
+        bs, blocks = self.block_size, []
+        for b, n, producer in zip(waiting, self._read(1, waiting), self._read(0, waiting)):
+            if n >= bs:
+                blocks.append(b)
+                del pending[b]
+            elif producer == _NONE:  # its producer left unfinished: nobody writes it now
+                del pending[b]
         if not blocks:
             return
         now = self.step()
@@ -592,12 +613,15 @@ class DeviceChecker:
             else:
                 for b, s in zip(blocks, self.checksums(layers, blocks)):
                     self.sums[b] = s
-        sweep, in_sweep = self._sweep, self._in_sweep
+        sealed = self.sealed
         for b in blocks:
-            self.sealed[b] = now
-            if b not in in_sweep:
-                in_sweep.add(b)
-                sweep.append(b)
+            sealed[b] = now
+        if self.checksum == "sample":  # the round robin is only read there
+            sweep, in_sweep = self._sweep, self._in_sweep
+            for b in blocks:
+                if b not in in_sweep:
+                    in_sweep.add(b)
+                    sweep.append(b)
         self._put(2, blocks, True)
         self.counters["sealed"] += len(blocks)
 
