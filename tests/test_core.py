@@ -79,6 +79,31 @@ def test_delayed_free_grace():
     assert [v.kind for v in out] == [kinds.LEAKED_BLOCKS]
 
 
+def test_delayed_frees_are_swept_in_the_order_they_ended():
+    """The sweep reads the pending requests oldest first and stops at the
+    first still within its grace (it runs every step); each late one is a
+    leak, the younger ones wait, and a drained one is not swept."""
+    ck, out = checker()
+    steps = [0]
+    ck.step = lambda: steps[0]
+    for rid, b in (("A", 1), ("B", 2), ("C", 3)):
+        ck.on_allocate([(b, 1)], rid, "s")
+    ck.on_request_pending_release("A")
+    steps[0] = 8
+    ck.on_request_pending_release("B")
+    ck.on_request_pending_release("C")
+    steps[0] = 15
+    ck.sweep(grace_steps=10)
+    assert [(v.kind, v.owners) for v in out] == [(kinds.LEAKED_BLOCKS, ["A"])]
+    ck.on_release([(3, 0, False, 0, True)], "C", "s")
+    ck.drain_pending({"B": object()}, "s")  # C's late free completed, B's not yet
+    assert list(ck.pending_release) == ["B"] and len(out) == 1
+    steps[0] = 30
+    ck.sweep(grace_steps=10)
+    assert [(v.kind, v.owners) for v in out] == [(kinds.LEAKED_BLOCKS, ["A"]),
+                                                  (kinds.LEAKED_BLOCKS, ["B"])]
+
+
 def test_audit_finds_orphans_and_unknown_owners():
     ck, out = checker(4)
     ck.on_allocate([(1, 1)], "A", "s")

@@ -22,6 +22,7 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
+from itertools import filterfalse
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
@@ -371,7 +372,9 @@ class AllocatorChecker:
         the engine still holds state for) has run its release path and must
         hold nothing.  An adapter calls it once per step, so the engine's
         late free needs no hook of its own."""
-        done = [rid for rid in self.pending_release if rid not in still_tracked]
+        # in the order they ended; a C loop (no Python frame per request):
+        # on a prefill node whose consumers are slow, thousands can be pending
+        done = list(filterfalse(still_tracked.__contains__, self.pending_release))
         for rid in done:
             self.on_request_released(rid, self.pending_reasons.get(rid, "finished"), site)
 
@@ -380,9 +383,13 @@ class AllocatorChecker:
         if not self.pending_release:
             return
         now = self.step()
-        for rid, since in list(self.pending_release.items()):
-            if now - since > grace_steps:
-                self.on_request_released(rid, f"delayed free pending {now - since} steps", site)
+        late = []
+        for rid, since in self.pending_release.items():
+            if now - since <= grace_steps:
+                break  # kept in the order they ended: the rest are younger
+            late.append((rid, since))
+        for rid, since in late:
+            self.on_request_released(rid, f"delayed free pending {now - since} steps", site)
 
     # -- full audit ---------------------------------------------------------
     def _disagreeing(self, refs, linked) -> list[int]:
