@@ -10,6 +10,9 @@ cost against blocks changed per step, for pools of 10k, 100k and 1M blocks.
 * per step: a step = one new request allocates ``k`` blocks and an older one
   releases ``k`` (checker events, as the hooks send them), at each pool size.
   The cost must follow ``k``, not the pool size;
+* shared blocks: a request's end releasing 128 blocks that 16, 256 or 1024
+  live requests share (a system prompt), in a random order of ends, through
+  the C table the hooks use.  It must not follow the number of sharers much;
 * worker side: the sampled checksum verification (``sample:4``) per step
   with every block of the pool sealed (small rows: the round robin's own
   cost, not the checksums').  It must not follow the number of sealed blocks.
@@ -25,6 +28,7 @@ import tracemalloc
 from .common import table
 
 SIZES = (10_000, 100_000, 1_000_000)
+SHARERS = (16, 256, 1024)
 
 
 def _checker(n):
@@ -121,6 +125,49 @@ def per_step(n: int, k: int, steps: int = 40) -> float:
     return statistics.median(times) / 1e3
 
 
+def shared_release(sharers: int, blocks: int = 128, seed: int = 0) -> float:
+    """µs per request end releasing ``blocks`` blocks shared by ``sharers``
+    live requests, ends in a random order (the native table, as the hooks
+    run it; the Python checker where it is not built)."""
+    import random
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvsan import hooks
+
+    ck, out = _checker(blocks + 1)
+    fast = hooks.SHADOWFAST
+    if fast is not None:
+        ck.use_fast(fast.Table(ck.shadow, ck._mismatched, ck.counters))
+    table = ck.fast
+    pool = [KVCacheBlock(block_id=b) for b in range(1, blocks + 1)]
+    owners = [f"cmpl-{seed}-{i:06d}" for i in range(sharers)]
+    for n, o in enumerate(owners, 1):
+        for b in pool:
+            b.ref_cnt = n
+        if n == 1:
+            ck.on_allocate([(b.block_id, 1) for b in pool], o, "x.py:f:1")
+        else:
+            ck.on_share([(b.block_id, n, False) for b in pool], o, "x.py:g:1")
+    order = owners[:]
+    random.Random(seed).shuffle(order)
+    clock = time.thread_time_ns
+    _freeze()
+    t0 = clock()
+    for o in order:
+        ref = pool[0].ref_cnt
+        snap = table.snapshot(pool, None) if table is not None else None
+        for b in pool:
+            b.ref_cnt -= 1
+        if table is None or table.release(pool, snap, o, 0, "x.py:free:1") is None:
+            ck.on_release([(b.block_id, ref, False, ref - 1, ref == 1) for b in pool], o,
+                          "x.py:free:1")
+    dt = clock() - t0
+    gc.unfreeze()
+    assert not out and ck.shadow.n_owned == 0, [v.kind for v in out][:5]
+    return dt / sharers / 1e3
+
+
 def worker_sample(n: int, batches: int = 8) -> float:
     """µs per step of the worker's sampled verification (default
     ``sample:4``: 32 blocks every 8 steps) with all ``n - 1`` blocks sealed."""
@@ -168,6 +215,7 @@ def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
                 res["step"][(n, k)] = per_step(n, k)
         res["worker"][n] = worker_sample(n)
         gc.collect()
+    res["sharers"] = {s: shared_release(s) for s in SHARERS}
     return res
 
 
@@ -194,6 +242,11 @@ def markdown(res: dict) -> str:
            "(`sample:4`) with every block sealed:\n\n"
     out += table(["pool blocks"] + [f"k = {k}" for k in ks]
                  + ["worker: sampled verification µs/step, all sealed"], rows)
+    if res.get("sharers"):
+        out += "\n\nA request's end releasing 128 blocks shared by S live requests " \
+               "(ends in a random order), µs:\n\n"
+        out += table([f"S = {s}" for s in res["sharers"]],
+                     [[f"{v:.1f}" for v in res["sharers"].values()]])
     return out
 
 

@@ -320,3 +320,49 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
         pool.free_blocks(reversed(blocks))
     ctx.pop()
     assert sh.more == {} and sh.held == {} and not rt.violations()
+
+
+def test_many_sharers_released_in_any_order_agree_with_python(rt):
+    """A prefix shared by 40 requests, released in a random order, some
+    releases naming their owner with an equal but distinct str (found by the
+    comparing pass, not the pointer scan): the C table takes every event
+    itself and ends with the Python checker's table, event by event."""
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvsan import hooks
+    from kvsan.checks import AllocatorChecker
+
+    out: list = []
+    fast_ck = AllocatorChecker(16, emit=out.append)
+    fast_ck.use_fast(hooks.SHADOWFAST.Table(fast_ck.shadow, fast_ck._mismatched,
+                                            fast_ck.counters))
+    table = fast_ck.fast
+    ref_ck = AllocatorChecker(16, emit=out.append)
+    blocks = [KVCacheBlock(block_id=b) for b in range(1, 7)]
+    owners = [f"req-{i}" for i in range(40)]
+    for b in blocks:
+        b.ref_cnt = 1
+    assert table.allocate(blocks, owners[0], 0, "t") is not None
+    ref_ck.on_allocate([(b.block_id, 1) for b in blocks], owners[0], "t")
+    for n, o in enumerate(owners[1:], 2):
+        for b in blocks:
+            b.ref_cnt = n
+        assert table.share(blocks, o, 0, "t") is not None
+        ref_ck.on_share([(b.block_id, n, False) for b in blocks], o, "t")
+    order = owners[:]
+    random.Random(7).shuffle(order)
+
+    def owners_of(ck):
+        return [ck.shadow.owners(b.block_id) for b in blocks]
+
+    for k, o in enumerate(order):
+        name = "".join(o) if k % 2 else o  # every other one: an equal, distinct str
+        assert name == o and (k % 2 == 0 or name is not o)
+        ref = blocks[0].ref_cnt
+        snap = table.snapshot(blocks, None)
+        for b in blocks:
+            b.ref_cnt -= 1
+        assert table.release(blocks, snap, name, 0, "t") is not None, o
+        ref_ck.on_release([(b.block_id, ref, False, ref - 1, ref == 1) for b in blocks], o, "t")
+        assert owners_of(fast_ck) == owners_of(ref_ck), (k, o)
+    assert out == [] and owners_of(fast_ck) == [[]] * 6

@@ -482,16 +482,47 @@ set_list(PyObject *list, Py_ssize_t i, PyObject *v)
     return PyList_SetItem(list, i, v);
 }
 
-/* ``owner`` is an owner of ``b``: 1 as own0, 2 in more, 0 not, -1 error */
+/* index of ``owner`` in list ``lst``, -1 if absent, -2 on error.  The
+ * pointer is compared first, over the whole list: a request's id is one str
+ * object from its first reference to its last, so this almost always finds
+ * it; equal but distinct strs are found by a second pass.  A block shared by
+ * every live request (a system prompt) has hundreds of extra owners, and a
+ * comparison per owner per released block made a request's end cost
+ * milliseconds at 1024 sharers. */
+static Py_ssize_t
+find_owner(PyObject *lst, PyObject *owner)
+{
+    Py_ssize_t n = PyList_GET_SIZE(lst);
+    PyObject **items = ((PyListObject *)lst)->ob_item;
+    for (Py_ssize_t j = 0; j < (n + 1) / 2; j++) { /* from both ends: the oldest
+                                                     * and the newest sharers end first */
+        if (items[j] == owner) {
+            return j;
+        }
+        if (items[n - 1 - j] == owner) {
+            return n - 1 - j;
+        }
+    }
+    for (Py_ssize_t j = 0; j < PyList_GET_SIZE(lst); j++) {
+        int r = PyObject_RichCompareBool(PyList_GET_ITEM(lst, j), owner, Py_EQ);
+        if (r != 0) {
+            return r < 0 ? -2 : j;
+        }
+    }
+    return -1;
+}
+
+/* ``owner`` is an owner of ``b``: 1 as own0, 2 in more (its index there in
+ * *pos_out), 0 not, -1 error */
 static int
-owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out)
+owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *pos_out)
 {
     *extra_out = NULL;
     PyObject *o = PyList_GET_ITEM(t->own0, b);
     if (o == Py_None) {
         return 0;
     }
-    int r = PyObject_RichCompareBool(o, owner, Py_EQ);
+    int r = o == owner ? 1 : PyObject_RichCompareBool(o, owner, Py_EQ);
     if (r != 0) {
         return r;
     }
@@ -507,12 +538,13 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out)
     if (!PyList_CheckExact(extra)) {
         return 0;
     }
-    r = PySequence_Contains(extra, owner);
-    if (r > 0) {
+    Py_ssize_t j = find_owner(extra, owner);
+    if (j >= 0) {
         *extra_out = extra;
+        *pos_out = j;
         return 2;
     }
-    return r;
+    return j == -1 ? 0 : -1;
 }
 
 /* ---- the event's bookkeeping (what AllocatorChecker / ShadowTable do in
@@ -1174,12 +1206,12 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
      * (borrowed: only this block's entry changes it, and each block is
      * met once) */
     Py_ssize_t n1 = k ? k : 1;
-    Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (3 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
+    Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (4 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
     if (ids == NULL) {
         return NULL;
     }
-    Py_ssize_t *freed_flag = ids + n1, *how = ids + 2 * n1;
-    PyObject **extras = (PyObject **)(ids + 3 * n1);
+    Py_ssize_t *freed_flag = ids + n1, *how = ids + 2 * n1, *pos = ids + 3 * n1;
+    PyObject **extras = (PyObject **)(ids + 4 * n1);
     int *nown = NOWN(t);
     unsigned char *cached = CACHED(t);
     Py_ssize_t i, m = 0;
@@ -1205,7 +1237,8 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         PyObject *extra;
-        int o = owns(t, b, owner, &extra);
+        Py_ssize_t at = -1;
+        int o = owns(t, b, owner, &extra, &at);
         if (o < 0) {
             goto error;
         }
@@ -1238,6 +1271,7 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         }
         t->seen[b] = 1;
         how[m] = o;
+        pos[m] = at;
         extras[m] = extra;
         ids[m++] = b;
     }
@@ -1296,16 +1330,11 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 }
             }
         } else {
-            /* extra.remove(owner) */
-            Py_ssize_t n = PyList_GET_SIZE(extra), j;
-            int r = 0;
-            for (j = 0; j < n; j++) {
-                r = PyObject_RichCompareBool(PyList_GET_ITEM(extra, j), owner, Py_EQ);
-                if (r != 0) {
-                    break;
-                }
-            }
-            if (r < 0 || j == n || PyList_SetSlice(extra, j, j + 1, NULL) < 0) {
+            /* extra.remove(owner), at the index owns() found: only this
+             * block's entry changes the list, and each block is met once */
+            Py_ssize_t j = pos[i];
+            if (j < 0 || j >= PyList_GET_SIZE(extra)
+                || PyList_SetSlice(extra, j, j + 1, NULL) < 0) {
                 goto vanished;
             }
             if (PyList_GET_SIZE(extra) == 0) {
