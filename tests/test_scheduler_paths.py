@@ -358,3 +358,34 @@ def test_preemption_that_keeps_the_blocks(rt):
     assert [(x.owners, sorted(x.blocks)) for x in v] == [(["Q1"], held)]
     assert "preempted" in v[0].message
     assert v[0].site.startswith("test_scheduler_paths.py"), v[0].site  # its caller here
+
+
+def test_clean_ends_stay_native_while_another_free_is_delayed(rt):
+    """A KV connector delays G0's free: G0 stays pending.  The ends of G1
+    and G2 meanwhile are clean and are still filed by the native hook (it
+    used to hand every end to Python while any delayed free was pending,
+    which on a node whose connector delays frees is always); G0's late free
+    is then checked as before."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from kvsan import hooks
+
+    hook = hooks.native_hook(Scheduler.__dict__["_free_request"])
+    sched = running("G0", "G1", "G2", "G3", token=860)
+    ck = rt.checkers[sched.kv_cache_manager.block_pool]
+    sched.finish_requests(["G3"], RequestStatus.FINISHED_ABORTED)  # the Python check, once
+    delay = {"G0"}
+    sched._connector_finished = lambda request: (request.request_id in delay, None)
+    sched.finish_requests(["G0"], RequestStatus.FINISHED_ABORTED)
+    assert list(ck.pending_release) == ["G0"] and "G0" in sched.requests
+    calls = hook.calls if hook is not None else 0
+    sched.finish_requests(["G1", "G2"], RequestStatus.FINISHED_ABORTED)
+    if hook is not None:
+        assert hook.calls == calls + 2  # both ends filed in C
+    assert [ck.recent_ends[r][0] for r in ("G1", "G2")] == ["finished_aborted"] * 2
+    assert list(ck.pending_release) == ["G0"] and kinds_of(rt) == []
+    sched._free_blocks(sched.requests["G0"])  # the connector is done: the late free
+    out = sched.schedule()
+    sched.update_from_output(out, model_output(sched, out))
+    assert not ck.pending_release and kinds_of(rt) == []

@@ -434,7 +434,7 @@ slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
 /* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
  * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
  * for the clean case -- the scheduler no longer tracks the request (no
- * delayed free), no delayed free is pending at all, the request holds
+ * delayed free), no delayed free of its own is pending, the request holds
  * nothing in the shadow table and no manager's block table still lists it
  * -- where it only files the end (``recent_ends``, as
  * AllocatorChecker._note_end does).  ``h->state`` is set by that Python
@@ -454,13 +454,19 @@ end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
     PyObject *pending = PyTuple_GET_ITEM(st, 4), *texts = PyTuple_GET_ITEM(st, 5);
     PyObject *managers = PyTuple_GET_ITEM(st, 7);
     Py_ssize_t most = PyLong_AsSsize_t(PyTuple_GET_ITEM(st, 6));
-    if (most < 1 || PyDict_GET_SIZE(pending) != 0) {
+    if (most < 1 || !PyDict_CheckExact(pending)) {
         goto out;
     }
     rid = PyObject_GetAttr(request, s_request_id);
     status = rid == NULL ? NULL : PyObject_GetAttr(request, s_status);
     requests = status == NULL ? NULL : PyObject_GetAttr(sched, s_requests);
     if (requests == NULL || !PyUnicode_CheckExact(rid) || !PyDict_CheckExact(requests)) {
+        goto out;
+    }
+    /* its own delayed free pending (Python drops that entry); other
+     * requests' pending delayed frees do not concern this end: on a node
+     * whose KV connector delays frees, some always are */
+    if (PyDict_GET_SIZE(pending) != 0 && PyDict_Contains(pending, rid) != 0) {
         goto out;
     }
     text = Py_XNewRef(PyDict_GetItemWithError(texts, status));
