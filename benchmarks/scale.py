@@ -4,7 +4,9 @@ cost against blocks changed per step, for pools of 10k, 100k and 1M blocks.
 * memory: ``tracemalloc`` over the table's own structures (owner strings and
   cache keys belong to the engine and are created beforehand), empty, with
   every block owned (16 blocks per request), and with every block cached and
-  shared by two owners at 10% of blocks;
+  shared by two owners at 10% of blocks; and the identity audit's state with
+  every block cached (its producer records, and the token chains of the
+  requests that produced them);
 * audit: what ``KVSAN_AUDIT_EVERY`` / the idle audit run: reading vLLM's real
   ``BlockPool`` (``pool_view``) plus the checker's vectorised ``audit``;
 * per step: a step = one new request allocates ``k`` blocks and an older one
@@ -59,6 +61,32 @@ def memory(n: int) -> dict:
     tracemalloc.stop()
     del ck
     return {"empty": empty / n, "owned": owned / n, "cached_shared": full / n}
+
+
+def identity_memory(n: int, per_request: int = 16, bs: int = 16) -> float:
+    """Bytes per block of the identity audit with every block cached by
+    requests of ``per_request`` blocks: the producer records (made for the
+    whole pool) and each producer's token chain (kept alive by its records)."""
+    from kvsan.checks.identity import IdentityAudit, RequestIdentity
+
+    tokens = list(range(per_request * bs))  # small ints: the engine's, not counted
+    keys = [i.to_bytes(32, "little") for i in range(n)]
+    rids = [f"req-{i:08d}" for i in range(n // per_request + 1)]
+    static = (b"l" * 16, b"s" * 16, b"d" * 16)
+    weights = b"w" * 16
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    audit = IdentityAudit(lambda v: None, num_blocks=n)
+    for r, lo in enumerate(range(0, n, per_request)):
+        k = min(per_request, n - lo)
+        ident = RequestIdentity(static)
+        ident.extend(k, tokens, bs, None, None)
+        audit.on_cached(rids[r], ident, weights, [(i, lo + i, keys[lo + i]) for i in range(k)])
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del audit
+    return used / n
 
 
 def audit_time(n: int, repeat: int = 5) -> dict:
@@ -208,6 +236,7 @@ def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
     res = {"memory": {}, "audit": {}, "step": {}, "worker": {}}
     for n in sizes:
         res["memory"][n] = memory(n)
+        res["memory"][n]["identity"] = identity_memory(n)
         res["audit"][n] = audit_time(n)
         gc.collect()
         for k in ks:
@@ -224,10 +253,12 @@ def markdown(res: dict) -> str:
     for n, m in res["memory"].items():
         a = res["audit"][n]
         rows.append([f"{n:,}", f"{m['empty']:.1f}", f"{m['owned']:.1f}", f"{m['cached_shared']:.1f}",
+                     f"{m['identity']:.1f}" if "identity" in m else "-",
                      f"{a['view_ms']:.1f}", f"{a['check_ms']:.1f}",
                      f"**{a['total_ms']:.1f}** (median {a['total_median_ms']:.1f})"])
     out = table(["pool blocks", "shadow B/block: empty", "all owned", "all cached, 10% shared",
-                 "audit: read vLLM pool ms", "audit: check ms", "audit total ms"], rows)
+                 "identity audit B/block, all cached", "audit: read vLLM pool ms",
+                 "audit: check ms", "audit total ms"], rows)
     ks = sorted({k for _, k in res["step"]})
     rows = []
     for n in res["memory"]:
