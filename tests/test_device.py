@@ -136,6 +136,53 @@ def test_same_step_hit_on_a_block_being_written_is_legal(eng, rt):
     assert device().counters["sealed"] > 0
 
 
+def test_a_drafter_writing_after_the_forward_is_legal(eng, rt, monkeypatch):
+    """vLLM 0.32 ends a step in ``sample_tokens``, after ``execute_model``
+    returned None: a speculative drafter (EAGLE, MTP, a draft model) writes
+    its own layers' KV for the step's slots there.  Stand-in: the last
+    layer's rows of every block the step writes change between the two
+    calls.  Sealed at the end of ``execute_model`` (as kvsan did), those
+    blocks' checksums missed the drafter's bytes and every verification
+    (``all``: every sealed block every step) reported a mismatch; sealed
+    after ``sample_tokens``, nothing is reported, and a real scribble into a
+    sealed block still is."""
+    import torch
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvsan.hooks import vllm_worker
+
+    hooked = GPUModelRunner.__dict__["sample_tokens"]
+    drafted = []
+
+    def drafter_then_sample(self, *args, **kwargs):
+        state = self.execute_model_state
+        if state is not None:
+            n = state.scheduler_output.total_num_scheduled_tokens
+            slots = self.input_batch.block_table.block_tables[0].slot_mapping.gpu[:n]
+            blocks = sorted({int(s) // BS for s in slots.tolist() if s >= 0})
+            last = vllm_worker._layers(self)[-1]
+            with torch.no_grad():
+                last[blocks] += 0.5
+            drafted.extend(blocks)
+        return hooked(self, *args, **kwargs)
+
+    monkeypatch.setattr(GPUModelRunner, "sample_tokens", drafter_then_sample)
+    add(eng, "A", PREFIX + [5], max_tokens=6)
+    add(eng, "B", [(11 * i) % 480 + 2 for i in range(3 * BS)] + [6], max_tokens=6)
+    out = drain(eng)
+    assert len(out) == 2 and drafted
+    dc = device()
+    assert dc.counters["sealed"] >= 2 and dc.counters["verified"] > 0
+    assert rt.violations() == []
+    monkeypatch.setattr(GPUModelRunner, "sample_tokens", hooked)
+    victim = sorted(dc.sealed)[0]
+    with torch.no_grad():
+        vllm_worker._layers(runner())[0][victim] += 1.0  # not a drafter: a scribble
+    add(eng, "C", [9] * 5, max_tokens=2)
+    drain(eng)
+    assert [v.blocks for v in of(rt, "checksum_mismatch")][:1] == [[victim]]
+
+
 def test_identity_audit_on_the_real_engine(eng, rt, monkeypatch):
     """cache_salt left out of vLLM's block hash, on the live engine: tenant B
     is served tenant A's prefix, and kvsan names the field."""

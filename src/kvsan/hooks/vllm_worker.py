@@ -6,12 +6,15 @@ Python inside the model does not run, but the step's inputs, slot mapping,
 block tables and cache tensors are all visible around ``execute_model``.
 
 * V1 runner (CPU, CUDA fallback): ``execute_model`` (step context, hit
-  verification, poison, then sealing after the step) and ``_prepare_inputs``
-  (the write guard on the slot mapping the forward will use).
+  verification, poison) and ``_prepare_inputs`` (the write guard on the
+  slot mapping the forward will use).
 * V2 runner (CUDA default): ``execute_model`` (step context, checksums,
-  poison, sealing) and ``prepare_attn`` (the write guard on the slot
-  mappings its Triton kernel built).  Written from the source; not yet run
-  on a GPU.
+  poison) and ``prepare_attn`` (the write guard on the slot mappings its
+  Triton kernel built).  Written from the source; not yet run on a GPU.
+* Both: sealing after the step, in ``sample_tokens`` where
+  ``execute_model`` hands the step on to it (vLLM 0.32 always does: the
+  drafter of speculative decoding writes its layers' KV there), else at
+  the end of ``execute_model``.
 * Both: ``shutdown``, where what is still on its way from the device (on a
   GPU in log mode: the last step's guard and checksums) is checked before
   the cache is released.
@@ -191,15 +194,48 @@ def _has_connector() -> bool:
         return False
 
 
+#: id(runner) -> (weak ref to it, checker, layers): a step whose
+#: ``execute_model`` returned None and finishes in ``sample_tokens``
+_unsealed: dict = {}
+
+
+def _seal_left(rt, runner) -> None:
+    """Seal a step ``sample_tokens`` did not finish (not called, or not
+    hooked), before the runner's next step begins or it shuts down."""
+    left = _unsealed.pop(id(runner), None)
+    if left is not None and left[0]() is runner:
+        _dguard(rt, "execute_model.seal", left[1].seal, left[2])
+
+
 def _execute_model(wrapped, instance, args, kwargs):
     rt = _rt.get()
     if rt is None:
         return wrapped(*args, **kwargs)
+    if _unsealed:
+        _seal_left(rt, instance)
     so = args[0] if args else kwargs["scheduler_output"]
     got = _dguard(rt, "execute_model.begin", _begin, rt, instance, so)
     ret = wrapped(*args, **kwargs)
     if got is not None:
-        _dguard(rt, "execute_model.seal", got[0].seal, got[1])
+        if ret is None:
+            # vLLM 0.32 finishes the step in sample_tokens: a drafter (EAGLE,
+            # MTP, draft model) writes its own layers' KV for this step's
+            # slots there, so a block sealed now would change after its
+            # checksums were taken (a false checksum_mismatch)
+            _unsealed[id(instance)] = (weakref.ref(instance), got[0], got[1])
+        else:
+            _dguard(rt, "execute_model.seal", got[0].seal, got[1])
+    return ret
+
+
+def _sample_tokens(wrapped, instance, args, kwargs):
+    """The end of a step whose ``execute_model`` returned None: sample, run
+    the drafter if any, then seal the step's cached blocks."""
+    ret = wrapped(*args, **kwargs)
+    if _unsealed:
+        rt = _rt.get()
+        if rt is not None:
+            _seal_left(rt, instance)
     return ret
 
 
@@ -253,6 +289,7 @@ def _shutdown(wrapped, instance, args, kwargs):
     rt = _rt.get()
     dc = _checkers.get(instance) if rt is not None else None
     if dc is not None:
+        _seal_left(rt, instance)
         _dguard(rt, "shutdown.flush", dc.flush)
     return wrapped(*args, **kwargs)
 
@@ -261,6 +298,7 @@ def targets() -> list[Target]:
     return [
         Target(_V1, "GPUModelRunner.execute_model", _execute_model, True),
         Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True),
+        Target(_V1, "GPUModelRunner.sample_tokens", _sample_tokens, True),
         Target(_V1, "GPUModelRunner.shutdown", _shutdown, True),
     ]
 
@@ -268,4 +306,5 @@ def targets() -> list[Target]:
 def targets_v2() -> list[Target]:
     return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True),
             Target(_V2, "GPUModelRunner.prepare_attn", _prepare_attn_v2, True),
+            Target(_V2, "GPUModelRunner.sample_tokens", _sample_tokens, True),
             Target(_V2, "GPUModelRunner.shutdown", _shutdown, True)]
