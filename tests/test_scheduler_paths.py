@@ -389,3 +389,53 @@ def test_clean_ends_stay_native_while_another_free_is_delayed(rt):
     out = sched.schedule()
     sched.update_from_output(out, model_output(sched, out))
     assert not ck.pending_release and kinds_of(rt) == []
+
+
+def test_a_sliding_window_dropping_blocks_is_told_to_the_worker(rt):
+    """A sliding-window group (group 0, the one the worker view follows)
+    frees a running request's blocks once its window has moved past them.
+    The worker's block table keeps them, so the journal says so
+    (``dropped``): applied, the blocks handed to another request are no
+    reuse; not applied (as before), the worker view reported
+    reuse_with_live_owners on legal traffic."""
+    import torch
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+    from kvsan.checks.device import DeviceChecker
+    from vllm_objects import BLOCK, make_request
+
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32, sliding_window=2 * BLOCK)
+    cfg = KVCacheConfig(num_blocks=12, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    m = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=BLOCK,
+                       hash_block_size=BLOCK, enable_caching=False)
+    rt.journal.take()
+    found = {"told": [], "not told": []}
+    views = {name: DeviceChecker(12, BLOCK, emit=found[name].append) for name in found}
+    a = make_request([(5 * i) % 300 + 1 for i in range(4 * BLOCK)], "W-A")
+    assert m.allocate_slots(a, a.num_tokens) is not None
+    for dc in views.values():
+        dc.add_step([("W-A", m.get_block_ids("W-A")[0], 0)])
+    a.num_computed_tokens = a.num_tokens
+    for _ in range(BLOCK):  # decode: the window moves past the first blocks
+        a.append_output_token_ids(7)
+        assert m.allocate_slots(a, 1) is not None
+        a.num_computed_tokens += 1
+    dropped = rt.journal.take()["dropped"]
+    assert dropped and all(rid == "W-A" for rid, _ in dropped)
+    gone = [b for _, blocks in dropped for b in blocks]
+    assert gone and kinds_of(rt) == []
+    for rid, blocks in dropped:
+        views["told"].release_blocks(rid, blocks)
+    b = make_request([(3 * i) % 200 + 400 for i in range(6 * BLOCK)], "W-B")
+    assert m.allocate_slots(b, b.num_tokens) is not None
+    handed = m.get_block_ids("W-B")[0]
+    assert set(gone) & set(handed)  # B is handed blocks the window dropped
+    for dc in views.values():
+        dc.add_step([("W-B", handed, 0)])
+    assert found["told"] == [] and kinds_of(rt) == []
+    reused = found["not told"]
+    assert reused and {v.kind for v in reused} == {"reuse_with_live_owners"}
+    assert {v.owners[0] for v in reused} == {"W-A"}

@@ -30,18 +30,22 @@ class StepJournal:
     """Allocator facts the device side needs and cannot see itself, collected
     between two ``schedule()`` calls and shipped on the SchedulerOutput."""
 
-    __slots__ = ("cached", "uncached", "freed", "reset")
+    __slots__ = ("cached", "uncached", "freed", "dropped", "reset")
 
     def __init__(self):
         self.cached: list[int] = []  # full blocks entering the prefix cache
         self.uncached: list[int] = []  # cache entries dropped (evict, move, reuse)
         self.freed: list[int] = []  # blocks that left every owner, uncached
+        #: (request, blocks) a running request stopped holding (its
+        #: attention window moved past them), in the group the worker follows
+        self.dropped: list[tuple[str, list[int]]] = []
         self.reset = False  # reset_prefix_cache succeeded
 
     def take(self) -> dict:
         out = {"cached": self.cached, "uncached": self.uncached,
-               "freed": self.freed, "reset": self.reset}
-        self.cached, self.uncached, self.freed, self.reset = [], [], [], False
+               "freed": self.freed, "dropped": self.dropped, "reset": self.reset}
+        self.cached, self.uncached, self.freed, self.dropped = [], [], [], []
+        self.reset = False
         return out
 
 

@@ -316,6 +316,29 @@ class DeviceChecker:
             return idx.pin_memory().to(self.device, non_blocking=True)
         return idx if self._host_cache else idx.to(self.device)
 
+    def release_blocks(self, rid: str, blocks: Sequence[int]) -> None:
+        """Request ``rid``, still running, holds ``blocks`` no more (its
+        attention window moved past them): it neither reads nor writes them,
+        and another request may be handed them."""
+        mine = self.req_blocks.get(rid)
+        if not mine:
+            return
+        gone = set(blocks)
+        self.req_blocks[rid] = [b for b in mine if b not in gone]
+        holders = self.holders
+        for b in gone:
+            h = holders.get(b)
+            if h is not None:
+                h.discard(rid)
+                if not h:
+                    del holders[b]
+        me = self._rid_int.get(rid)
+        if me is not None:  # no longer its producer
+            if self._pending_guard is not None:
+                self._settle()
+            gone = list(gone)
+            self._put(0, [b for b, p in zip(gone, self._read(0, gone)) if p == me], _NONE)
+
     def drop_requests(self, rids: Iterable[str]) -> None:
         """:meth:`drop_request` for each of ``rids`` the worker view holds
         (a step lists every new request too: most are not held)."""

@@ -168,7 +168,8 @@ def instrument(targets: list[Target]) -> tuple[list[str], list[str]]:
         for c in owners:
             if t.owner is None or not _register_owner(c.__dict__[attr], t.owner):
                 _wrap(c, attr, t.wrapper, t.fast)
-        installed.append(t.name)
+        if t.name not in installed:  # (a method may be both an owner frame and wrapped)
+            installed.append(t.name)
     return installed, missing
 
 

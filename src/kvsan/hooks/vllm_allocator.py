@@ -696,6 +696,47 @@ def _finish_requests(wrapped, instance, args, kwargs):
     return ret
 
 
+def _remove_blocks_in_range(wrapped, instance, args, kwargs):
+    """A running request's blocks freed mid-life, ``[first, last)`` of its
+    table replaced by the null block: a sliding or chunked-local window moved
+    past them.  The worker is not told (its block table keeps them, its
+    attention no longer reads them), so for the group it follows (0) they go
+    to the journal's ``dropped``: handed to another request later, they are
+    no reuse.  Found as vLLM finds them, backward from ``last`` to the first
+    null block, so a call costs the blocks it removes.  Only calls made with
+    positional arguments (as vLLM makes them) are read; the owner frame of
+    the same method attributes the free inside."""
+    rt = _rt._runtime
+    if rt is None or kwargs or len(args) != 3 \
+            or getattr(instance, "kv_cache_group_id", 0) != 0:
+        return wrapped(*args, **kwargs)
+    got = _guard(rt, "remove_blocks", _window_candidates, instance, *args)
+    ret = wrapped(*args, **kwargs)
+    if got:
+        _guard(rt, "remove_blocks", _journal_dropped, rt, args[0], *got)
+    return ret
+
+
+def _window_candidates(manager, rid, first: int, last: int):
+    """(the request's block list, [(index, block)] that the call may free)."""
+    blocks = manager.req_to_blocks.get(rid)
+    if not blocks:
+        return None
+    cand = []
+    for i in range(min(last, len(blocks)) - 1, first - 1, -1):
+        b = blocks[i]
+        if b.is_null:
+            break
+        cand.append((i, b))
+    return (blocks, cand) if cand else None
+
+
+def _journal_dropped(rt, rid, blocks: list, cand: list) -> None:
+    gone = [b.block_id for i, b in cand if i < len(blocks) and blocks[i] is not b]
+    if gone:
+        rt.journal.dropped.append((rid, gone))
+
+
 def targets() -> list[Target]:
     return [
         Target(_BP, "BlockPool.__init__", _pool_init),
@@ -722,6 +763,8 @@ def targets() -> list[Target]:
                _owner_scoped(_RID, "alloc"), True, owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
                _owner_scoped(_RID, "alloc"), True, owner=_RID),
+        Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
+               _remove_blocks_in_range, True),
         Target(_STM, "SingleTypeKVCacheManager.free", _owner_scoped(_RID, "free"), True,
                owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),

@@ -139,6 +139,8 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
             dc.uncache_all()
         if payload["uncached"]:
             dc.uncache(payload["uncached"])
+        for rid, blocks in payload.get("dropped", ()):  # a window moved past them
+            dc.release_blocks(rid, blocks)
     new_reqs = so.scheduled_new_reqs
     if new_reqs:
         dc.drop_requests([nr.req_id for nr in new_reqs])  # V2 sends resumed requests as new ones
@@ -167,8 +169,13 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
             dc.will_seal(payload["cached"])
         if dc.poison_on:
             dc.unpoison(layers, fresh)
-            # a block handed out again in this same step is overwritten, not read
+            # a block handed out again in this same step is overwritten, not
+            # read; one a window moved past stays in its request's block
+            # table, where an attention kernel may still load it, masked
+            # (NaN times a zero weight is NaN): neither is poisoned
             handed = set(fresh)
+            for _, blocks in payload.get("dropped", ()):
+                handed.update(blocks)
             dc.poison(layers, [b for b in payload["freed"] if b not in handed])
         if not _has_connector():  # connector loads write without slot mappings
             dc.note_hits(hits)
