@@ -710,6 +710,16 @@ def _remove_blocks_in_range(wrapped, instance, args, kwargs):
     if rt is None or kwargs or len(args) != 3 \
             or getattr(instance, "kv_cache_group_id", 0) != 0:
         return wrapped(*args, **kwargs)
+    try:  # vLLM calls this for every running request each step: most calls
+        # find the range's last block already null (the window has not
+        # passed a new block), decided here without a guarded call
+        blocks = instance.req_to_blocks.get(args[0])
+        last = min(args[2], len(blocks)) if blocks else 0
+        idle = last <= args[1] or blocks[last - 1].is_null
+    except Exception:  # noqa: BLE001 - not vLLM's shapes: the guarded path decides
+        idle = False
+    if idle:
+        return wrapped(*args, **kwargs)
     got = _guard(rt, "remove_blocks", _window_candidates, instance, *args)
     ret = wrapped(*args, **kwargs)
     if got:
