@@ -494,3 +494,41 @@ def test_the_same_batch_after_requests_change_their_ints(monkeypatch):
     dc.guard(slots(3, 4), ["a", "b"], [BS, BS])  # now each writes the other's block
     assert sorted((v.kind, v.blocks, v.actor) for v in found) == \
         [("overwrite_shared_block", [3], "a"), ("overwrite_shared_block", [4], "b")]
+
+
+def test_the_worker_view_follows_only_caches_it_understands():
+    """Group 0 decides what the worker view follows.  Decoder attention
+    (full, MLA, sliding window, chunked local, alone or in a uniform group)
+    is followed; a hybrid model's Mamba / linear-attention group 0 has no
+    slot mapping (the V1 guard would read zeros and report every write),
+    and decode context parallelism splits a scheduler block over ranks:
+    the device side is then off, with the reason, rather than reporting
+    legal traffic."""
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from kvsan.hooks.vllm_worker import unfollowed
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8,
+                               dtype=torch.float32, sliding_window=64)
+    mamba = MambaSpec(block_size=16, shapes=((1,),), dtypes=(torch.float32,))
+
+    def config(*specs):
+        return KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                             kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s)
+                                              for i, s in enumerate(specs)])
+
+    assert unfollowed(config(full)) is None
+    assert unfollowed(config(window, full)) is None
+    assert unfollowed(config(full, mamba)) is None  # group 0 is attention: followed
+    assert unfollowed(config(UniformTypeKVCacheSpecs(
+        block_size=16, kv_cache_specs={"a": full, "b": full}))) is None
+    assert unfollowed(config(mamba, full)) == "KV cache group 0 is MambaSpec"
+    assert unfollowed(config(full), dcp_world_size=2) == "decode context parallel size 2"

@@ -81,12 +81,52 @@ def _layers(runner) -> list:
 _dguard = functools.partial(_guard, device=True)
 
 
+#: the KV cache spec types of group 0 the worker view follows: decoder
+#: attention written through the slot mappings, whose blocks leave a running
+#: request only as the scheduler's journal says
+FOLLOWED_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
+                            "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec"})
+
+
+def unfollowed(kv_cache_config, dcp_world_size: int = 1) -> str | None:
+    """Why the worker view cannot follow this cache, or None.  Group 0 of a
+    hybrid model may be Mamba or linear attention (no slot mapping: the V1
+    guard would read a mapping of zeros and report every write), an
+    encoder's, or a kind whose blocks move in ways the journal does not
+    carry; decode context parallelism splits a scheduler block over ranks.
+    The device side is then off for that runner, said once: reporting
+    legal traffic would be worse than not checking it."""
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        return "no KV cache group"
+    spec = groups[0].kv_cache_spec
+    inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
+    kinds = {type(s).__name__ for s in inner.values()} if inner else {type(spec).__name__}
+    other = sorted(kinds - FOLLOWED_SPECS)
+    if other:
+        return f"KV cache group 0 is {', '.join(other)}"
+    if dcp_world_size > 1:
+        return f"decode context parallel size {dcp_world_size}"
+    return None
+
+
+#: runners whose cache the worker view cannot follow (see :func:`unfollowed`)
+_unfollowed: "weakref.WeakSet" = weakref.WeakSet()
+
+
 def _device_checker(rt, runner) -> DeviceChecker | None:
     dc = _cached(_LAST_CHECKER, _checkers, runner)
     if dc is None:
         if not getattr(runner, "kv_caches", None):
             return None  # KV cache not allocated yet (profiling / warm-up)
+        if runner in _unfollowed:
+            return None
         cfg = runner.kv_cache_config
+        why = unfollowed(cfg, getattr(runner, "dcp_world_size", 1) or 1)
+        if why is not None:
+            _unfollowed.add(runner)
+            rt.reporter.event("kvsan.device_off", reason=why, pid=rt.pid, role=rt.role)
+            return None
         layers = _layers(runner)
         dc = DeviceChecker(
             cfg.num_blocks,
