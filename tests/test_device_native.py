@@ -532,3 +532,27 @@ def test_the_worker_view_follows_only_caches_it_understands():
         block_size=16, kv_cache_specs={"a": full, "b": full}))) is None
     assert unfollowed(config(mamba, full)) == "KV cache group 0 is MambaSpec"
     assert unfollowed(config(full), dcp_world_size=2) == "decode context parallel size 2"
+
+
+def test_a_request_sent_again_mid_block_keeps_its_written_slots():
+    """A request sent to the worker again (V2 sends a resumed one as new;
+    a streaming session comes back) with a computed length inside a block:
+    the slots of that block it wrote before count as written.  Counted from
+    zero, the block never filled, and a later prefix hit on it was reported
+    as uninitialized."""
+    found: list = []
+    dc = DeviceChecker(NB, BS, emit=found.append, checksum="sample")
+    layers = [torch.zeros(NB, 2, BS, 3)]
+    part = BS // 2 + 1
+    dc.add_step([("s", [1, 2], 0)])
+    dc.guard(torch.arange(1 * BS, 2 * BS + part), ["s"], [BS + part])  # block 1, part of 2
+    dc.drop_request("s")  # sent again: dropped, then added with what it computed
+    dc.add_step([("s", [1, 2, 3], 1, part)])
+    dc.guard(torch.arange(2 * BS + part, 3 * BS), ["s"], [BS - part])  # the rest of block 2
+    dc.will_seal([2])
+    dc.seal(layers)
+    assert 2 in dc.sealed
+    hits, _ = dc.add_step([("t", [2, 4], 1)])  # t is served block 2 as a prefix hit
+    dc.note_hits(hits)
+    dc.guard(torch.arange(4 * BS, 4 * BS + 1), ["t"], [1])
+    assert found == []

@@ -374,20 +374,26 @@ class DeviceChecker:
         self._int_rid[me] = None
         self._free_ints.append(me)
 
-    def add_step(self, adds: Sequence[tuple[str, Sequence[int], int]]) -> tuple[list, list]:
+    def add_step(self, adds: Sequence[tuple]) -> tuple[list, list]:
         """This step's block-table growth: ``(rid, blocks, n_hits)`` with the
         first ``n_hits`` blocks served from the prefix cache and the rest
-        freshly allocated.  Fresh blocks are applied first: a block allocated
-        and cached for one request may be hit by another in the same step
-        (legal), but must not still be held from an earlier step.
-        Returns (hits as (rid, block), fresh blocks)."""
+        freshly allocated, optionally ``(rid, blocks, n_hits, partial)``:
+        the first of the rest already holds ``partial`` of the request's own
+        computed slots (a request sent again with a computed length inside
+        a block: counted written, or it could never fill).  Fresh blocks are
+        applied first: a block allocated and cached for one request may be
+        hit by another in the same step (legal), but must not still be held
+        from an earlier step.  Returns (hits as (rid, block), fresh blocks)."""
         if self._pending_guard is not None:
             self._settle()
         if not adds:  # most decode steps: no request got a block
             return [], []
         hits, fresh, producers, unsealed = [], [], [], []
         null, holders, sealed, req_blocks = self.null, self.holders, self.sealed, self.req_blocks
-        for rid, blocks, n_hits in adds:
+        partly: list[tuple[int, int]] = []
+        for rid, blocks, n_hits, *more in adds:
+            if more and more[0] and len(blocks) > n_hits and blocks[n_hits] not in null:
+                partly.append((blocks[n_hits], more[0]))
             mine = req_blocks.get(rid)
             if mine is None:
                 mine = req_blocks[rid] = []
@@ -419,8 +425,10 @@ class DeviceChecker:
                 producers += [self._rint(rid)] * (len(fresh) - had)
         self._unseal(unsealed)
         self._put(1, fresh, 0)  # written from scratch
+        if partly:
+            self._put(1, [b for b, _ in partly], [n for _, n in partly])
         self._put(0, fresh, producers)
-        for rid, blocks, n_hits in adds:
+        for rid, blocks, n_hits, *_ in adds:
             if not n_hits:
                 continue
             served = blocks[:n_hits]

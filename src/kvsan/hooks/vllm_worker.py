@@ -184,7 +184,8 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     new_reqs = so.scheduled_new_reqs
     if new_reqs:
         dc.drop_requests([nr.req_id for nr in new_reqs])  # V2 sends resumed requests as new ones
-        adds = [(nr.req_id, nr.block_ids[0], nr.num_computed_tokens // bs) for nr in new_reqs]
+        adds = [(nr.req_id, nr.block_ids[0], *divmod(nr.num_computed_tokens, bs))
+                for nr in new_reqs]
     else:
         adds = []
     cr = so.scheduled_cached_reqs
@@ -193,7 +194,7 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
             new = cr.new_block_ids[i]
             if rid in cr.resumed_req_ids:
                 dc.drop_request(rid)
-                adds.append((rid, new[0] if new else [], cr.num_computed_tokens[i] // bs))
+                adds.append((rid, new[0] if new else [], *divmod(cr.num_computed_tokens[i], bs)))
             elif new is not None:
                 adds.append((rid, new[0], 0))
     else:  # every running request is listed each step; most have no new block
