@@ -381,6 +381,22 @@ def test_v2_prepare_attn_guard_adapter(kvsan_rt):
     vllm_worker._prepare_attn_v2(lambda b: (None, slots), runner, (batch,), {})
     bad = [v for v in kvsan_rt.violations() if v.kind == "overwrite_shared_block"]
     assert [(v.blocks, v.actor) for v in bad] == [([1], "Q")]
+    # adaptive speculative verification: Q's draft trimmed on the device, the
+    # tokens per request no longer add up to the slot mapping.  No writer per
+    # token, so no ownership check, but the writes count: Q's block 3 fills
+    # and is sealed, and R's hit on it is no uninitialized hit
+    kvsan_rt.clear()
+    batch = types.SimpleNamespace(req_ids=["P", "Q"], num_reqs=2, num_tokens=BS,
+                                  num_scheduled_tokens=__import__("numpy").array([1, BS]))
+    slots = torch.tensor([[3 * BS + i for i in range(BS)] + [-1]])
+    vllm_worker._prepare_attn_v2(lambda b: (None, slots), runner, (batch,), {})
+    dc.will_seal([3])
+    dc.seal([torch.zeros(8, 2, BS, 3)])
+    assert 3 in dc.sealed
+    hits, _ = dc.add_step([("R", [3, 4], 1)])
+    dc.note_hits(hits)
+    dc.check_hits_written()
+    assert kvsan_rt.violations() == []
     del vllm_worker._checkers[runner]
 
 

@@ -828,6 +828,22 @@ class DeviceChecker:
             return
         self._check_writes(slot_mapping, ids, counts, total)
 
+    def count_writes(self, slot_mapping: torch.Tensor, total: int) -> None:
+        """A step's writes whose writers are not known (V2's adaptive
+        speculative verification trims draft tokens on the device, so the
+        tokens per request do not add up to the slot mapping): counted into
+        ``fill`` without the guard's ownership check, so the blocks they
+        complete can be sealed and a later hit on one is not taken for an
+        unwritten block.  (On a GPU this reads the slot mapping at once: a
+        host sync on the steps this happens.)"""
+        if self._pending_guard is not None:
+            self._settle()
+        slots = slot_mapping[:total].to(self.fill.device)
+        valid = slots >= 0
+        blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
+        self.fill.index_add_(0, blk.to(torch.long), valid.to(torch.int32))
+        self.check_hits_written()
+
     def _slot_buf(self, dtype: torch.dtype, total: int) -> torch.Tensor:
         """A host buffer of at least ``total`` slots for a deferred guard
         (pinned where CUDA is there: an asynchronous copy needs it), grown

@@ -323,8 +323,9 @@ def _prepare_attn_v2(wrapped, instance, args, kwargs):
             batch = args[0] if args else kwargs["input_batch"]
             n = batch.num_reqs
             counts = _ints(batch.num_scheduled_tokens[:n])
-            if sum(counts) != batch.num_tokens:
-                return  # adaptive speculative verification: no per-token owner map
+            if sum(counts) != batch.num_tokens:  # adaptive speculative verification:
+                dc.count_writes(ret[1][0], batch.num_tokens)  # no per-token writers
+                return
             dc.guard(ret[1][0], batch.req_ids[:n], counts)
         _dguard(rt, "prepare_attn.guard", check)
     return ret
