@@ -144,8 +144,8 @@ def test_a_drafter_writing_after_the_forward_is_legal(eng, rt, monkeypatch):
     calls.  Sealed at the end of ``execute_model`` (as kvsan did), those
     blocks' checksums missed the drafter's bytes and every verification
     (``all``: every sealed block every step) reported a mismatch; sealed
-    after ``sample_tokens``, nothing is reported, and a real scribble into a
-    sealed block still is."""
+    once ``sample_tokens`` has run (when the next step begins), nothing is
+    reported, and a real scribble into a sealed block still is."""
     import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 

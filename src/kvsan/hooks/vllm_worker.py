@@ -11,10 +11,10 @@ block tables and cache tensors are all visible around ``execute_model``.
 * V2 runner (CUDA default): ``execute_model`` (step context, checksums,
   poison) and ``prepare_attn`` (the write guard on the slot mappings its
   Triton kernel built).  Written from the source; not yet run on a GPU.
-* Both: sealing after the step, in ``sample_tokens`` where
-  ``execute_model`` hands the step on to it (vLLM 0.32 always does: the
-  drafter of speculative decoding writes its layers' KV there), else at
-  the end of ``execute_model``.
+* Both: sealing after the step: where ``execute_model`` hands the step on
+  to ``sample_tokens`` (vLLM 0.32 always does; the drafter of speculative
+  decoding writes its layers' KV there), when the runner's next step
+  begins, else at the end of ``execute_model``.
 * Both: ``shutdown``, where what is still on its way from the device (on a
   GPU in log mode: the last step's guard and checksums) is checked before
   the cache is released.
@@ -243,13 +243,12 @@ def _has_connector() -> bool:
 
 
 #: id(runner) -> (weak ref to it, checker, layers): a step whose
-#: ``execute_model`` returned None and finishes in ``sample_tokens``
+#: ``execute_model`` returned None, sealed when the runner's next step begins
 _unsealed: dict = {}
 
 
 def _seal_left(rt, runner) -> None:
-    """Seal a step ``sample_tokens`` did not finish (not called, or not
-    hooked), before the runner's next step begins or it shuts down."""
+    """Seal the runner's previous step, if it is still unsealed."""
     left = _unsealed.pop(id(runner), None)
     if left is not None and left[0]() is runner:
         _dguard(rt, "execute_model.seal", left[1].seal, left[2])
@@ -266,24 +265,15 @@ def _execute_model(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     if got is not None:
         if ret is None:
-            # vLLM 0.32 finishes the step in sample_tokens: a drafter (EAGLE,
-            # MTP, draft model) writes its own layers' KV for this step's
-            # slots there, so a block sealed now would change after its
-            # checksums were taken (a false checksum_mismatch)
+            # vLLM 0.32 finishes the step in sample_tokens, where a drafter
+            # (EAGLE, MTP, a draft model) writes its own layers' KV for this
+            # step's slots: sealed now, a block's checksums would miss those
+            # bytes (a false checksum_mismatch).  vLLM runs sample_tokens
+            # before the next execute_model, so the step is sealed there
+            # (or at shutdown), with no hook of its own on the step's path
             _unsealed[id(instance)] = (weakref.ref(instance), got[0], got[1])
         else:
             _dguard(rt, "execute_model.seal", got[0].seal, got[1])
-    return ret
-
-
-def _sample_tokens(wrapped, instance, args, kwargs):
-    """The end of a step whose ``execute_model`` returned None: sample, run
-    the drafter if any, then seal the step's cached blocks."""
-    ret = wrapped(*args, **kwargs)
-    if _unsealed:
-        rt = _rt.get()
-        if rt is not None:
-            _seal_left(rt, instance)
     return ret
 
 
@@ -347,7 +337,6 @@ def targets() -> list[Target]:
     return [
         Target(_V1, "GPUModelRunner.execute_model", _execute_model, True),
         Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True),
-        Target(_V1, "GPUModelRunner.sample_tokens", _sample_tokens, True),
         Target(_V1, "GPUModelRunner.shutdown", _shutdown, True),
     ]
 
@@ -355,5 +344,4 @@ def targets() -> list[Target]:
 def targets_v2() -> list[Target]:
     return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True),
             Target(_V2, "GPUModelRunner.prepare_attn", _prepare_attn_v2, True),
-            Target(_V2, "GPUModelRunner.sample_tokens", _sample_tokens, True),
             Target(_V2, "GPUModelRunner.shutdown", _shutdown, True)]
