@@ -153,3 +153,22 @@ def test_jsonl_directory_is_one_file_per_process(tmp_path):
     sink.write({"record": "event"})
     files = list(tmp_path.iterdir())
     assert len(files) == 1 and files[0].name.startswith("kvsan-engine-")
+
+
+def test_a_block_cached_and_evicted_in_one_step_is_not_sent_as_cached():
+    """The step journal keeps no order between its cached and uncached
+    lists; the shadow's cache flags at the end of the step tell which came
+    last.  Cached then evicted (its request preempted in the step that
+    cached it): not sent to the worker as cached, where it would be sealed
+    while reused.  Evicted then cached again: sent."""
+    from kvsan.hooks.vllm_allocator import still_cached
+
+    ck, out = checker()
+    ck.on_allocate([(3, 1), (4, 1)], "A", "s")
+    ck.on_cached([(3, b"k3"), (4, b"k4")])
+    ck.on_release([(3, 1, False, 0, True), (4, 1, False, 0, True)], "A", "s")
+    ck.on_uncached([3])  # block 3 evicted within the same step
+    assert still_cached([3, 4], ck.shadow.cached) == [4]
+    ck.on_allocate([(3, 1)], "B", "s")
+    ck.on_cached([(3, b"k3b")])  # evicted, reused and cached again
+    assert still_cached([3, 4], ck.shadow.cached) == [3, 4] and out == []

@@ -529,11 +529,13 @@ def _schedule(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     # the step context for the device side travels with the SchedulerOutput
     # (a plain dataclass: extra attributes survive pickling to the workers)
+    ck = _scheduler_checker(rt, instance)
     try:
-        ret.kvsan = dict(rt.journal.take(), step=rt.step)
+        payload = ret.kvsan = dict(rt.journal.take(), step=rt.step)
+        if payload["uncached"] and payload["cached"] and ck is not None:
+            payload["cached"] = still_cached(payload["cached"], ck.shadow.cached)
     except Exception as e:  # noqa: BLE001
         rt.reporter.internal_error("schedule.payload", e)
-    ck = _scheduler_checker(rt, instance)
     if ck is not None:
         t0 = _perf_counter()  # guarded inline, as _guard does (once per step)
         try:
@@ -553,6 +555,17 @@ def _schedule(wrapped, instance, args, kwargs):
         finally:
             rt.overhead_s += _perf_counter() - t0
     return ret
+
+
+def still_cached(cached: list[int], flags) -> list[int]:
+    """The journal's newly cached blocks that are still cached at the end
+    of the step (``flags``: the shadow's per-block cache flags).  A block
+    cached and then evicted within one step (a request preempted in the
+    step its blocks were cached) is in both of the journal's lists, which
+    keep no order between them; the table's state now tells which came
+    last.  Sealed on the worker, it would be checked as a cache entry while
+    it is being reused."""
+    return [b for b in cached if flags[b]]
 
 
 def _update_from_output(wrapped, instance, args, kwargs):
