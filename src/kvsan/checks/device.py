@@ -838,11 +838,18 @@ class DeviceChecker:
         host sync on the steps this happens.)"""
         if self._pending_guard is not None:
             self._settle()
-        slots = slot_mapping[:total].to(self.fill.device)
+        self._count_fill(slot_mapping[:total].to(self.fill.device))
+        self.check_hits_written()
+
+    def _count_fill(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the written ``slots`` (on the tables' device) to ``fill``;
+        returns (which slots are real, their blocks).  O(tokens written),
+        not O(pool): the pool may have a million blocks; padding slots (-1)
+        add 0, so no boolean mask (a device sync on a GPU)."""
         valid = slots >= 0
         blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
         self.fill.index_add_(0, blk.to(torch.long), valid.to(torch.int32))
-        self.check_hits_written()
+        return valid, blk
 
     def _slot_buf(self, dtype: torch.dtype, total: int) -> torch.Tensor:
         """A host buffer of at least ``total`` slots for a deferred guard
@@ -918,11 +925,7 @@ class DeviceChecker:
         ids = torch.as_tensor(ids, dtype=torch.int32, device=dev)
         counts = torch.as_tensor(list(tokens_per_req), device=dev)
         writer = torch.repeat_interleave(ids, counts)
-        valid = slots >= 0
-        blk = torch.div(slots, self.block_size, rounding_mode="floor").clamp(0, self.num_blocks - 1)
-        # O(tokens written), not O(pool): the pool may have a million blocks;
-        # padding slots (-1) add 0, so no boolean mask (a device sync on GPU)
-        self.fill.index_add_(0, blk, valid.to(torch.int32))
+        valid, blk = self._count_fill(slots)
         bad = valid & ((self.lut[blk] != writer) | self.sealed_mask[blk])
         if not bool(bad.any()):
             return []
