@@ -436,6 +436,44 @@ def test_runner_shutdown_reports_what_is_still_on_its_way(kvsan_rt):
     assert not dc._pending_sums
 
 
+def test_runner_shutdown_runs_after_a_raised_violation_and_keeps_nothing(kvsan_rt):
+    """In raise mode a violation found at shutdown (here: the last step's
+    deferred write guard, Q writing P's block) propagates, and vLLM's own
+    shutdown still runs before it does; a step left unsealed is dropped
+    with the runner, so nothing of kvsan's keeps its cache alive."""
+    import weakref
+
+    import torch
+
+    from kvsan.checks.device import DeviceChecker
+    from kvsan.config import Config
+    from kvsan.hooks import vllm_worker
+    from kvsan.report import KVSanViolation
+
+    kvsan_rt.clear()
+    cfg = kvsan_rt.config
+    kvsan_rt.config = kvsan_rt.reporter.config = Config(enabled=True, log_events=False,
+                                                        mode="raise")
+    try:
+        dc = DeviceChecker(8, BS, emit=kvsan_rt.reporter.emit, defer_guard=True)
+        dc.add_step([("P", [1], 0), ("Q", [2], 0)])
+        dc.guard(torch.tensor([BS + 1]), ["Q"], [1])  # deferred: checked later
+
+        class Runner:  # stands for the GPUModelRunner (a weak-referenced key)
+            pass
+
+        runner, ran = Runner(), []
+        vllm_worker._checkers[runner] = dc
+        vllm_worker._unsealed[id(runner)] = (weakref.ref(runner), dc, [])
+        with pytest.raises(KVSanViolation):
+            vllm_worker._shutdown(lambda: ran.append(True), runner, (), {})
+        del vllm_worker._checkers[runner]
+        assert ran == [True] and id(runner) not in vllm_worker._unsealed
+        assert [v.kind for v in kvsan_rt.violations()] == ["overwrite_shared_block"]
+    finally:
+        kvsan_rt.config = kvsan_rt.reporter.config = cfg
+
+
 def test_worker_request_interning_is_bounded_and_clears_producers():
     """The worker's request-id interning recycles ints: it grows with the
     requests live at once, not with every request ever seen, and a dropped

@@ -505,6 +505,7 @@ def test_the_worker_view_follows_only_caches_it_understands():
     the device side is then off, with the reason, rather than reporting
     legal traffic."""
     from vllm.v1.kv_cache_interface import (
+        CrossAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
@@ -532,6 +533,44 @@ def test_the_worker_view_follows_only_caches_it_understands():
         block_size=16, kv_cache_specs={"a": full, "b": full}))) is None
     assert unfollowed(config(mamba, full)) == "KV cache group 0 is MambaSpec"
     assert unfollowed(config(full), dcp_world_size=2) == "decode context parallel size 2"
+
+    class PluginAttentionSpec(FullAttentionSpec):  # a subclass of full attention
+        pass
+
+    plugin = PluginAttentionSpec(block_size=16, num_kv_heads=1, head_size=8,
+                                 dtype=torch.float32)
+    assert unfollowed(config(plugin)) is None
+    cross = CrossAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    assert unfollowed(config(cross, full)) == "KV cache group 0 is CrossAttentionSpec"
+
+
+def test_a_runners_decode_context_parallel_size_is_read_from_its_config():
+    """V1 keeps it as ``dcp_world_size``, V2 as ``dcp_size``; both keep the
+    parallel config, which is read first."""
+    import types
+
+    from vllm.config import ParallelConfig
+
+    from kvsan.hooks.vllm_worker import _dcp_size
+
+    v2 = types.SimpleNamespace(parallel_config=ParallelConfig(), dcp_size=1)
+    assert _dcp_size(v2) == 1
+    v2.parallel_config.decode_context_parallel_size = 2
+    assert _dcp_size(v2) == 2
+    assert _dcp_size(types.SimpleNamespace(dcp_world_size=4)) == 4
+
+
+def test_unknown_writers_counted_when_their_copy_arrives():
+    """V2's adaptive speculative verification: the writes are counted
+    without writers; on a device that waits for the slot mapping's copy
+    (forced deferred here), so they are counted when the guard settles,
+    never by a host sync in the step."""
+    dc = DeviceChecker(NB, BS, emit=lambda v: None, defer_guard=True)
+    dc.add_step([("a", [3], 0)])
+    dc.count_writes(torch.arange(3 * BS, 4 * BS), BS)
+    assert dc._pending_guard is not None and dc._read(1, [3]) == [0]
+    dc.settle()
+    assert dc._pending_guard is None and dc._read(1, [3]) == [BS]
 
 
 def test_a_request_sent_again_mid_block_keeps_its_written_slots():

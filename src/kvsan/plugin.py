@@ -8,6 +8,7 @@ importing anything heavy and patches nothing.
 from __future__ import annotations
 
 import os
+import sys
 
 from . import config as _config
 from . import runtime as _rt
@@ -133,6 +134,9 @@ def uninstall() -> None:
     from .hooks import vllm_identity
 
     vllm_identity.uninstall()
+    worker = sys.modules.get("kvsan.hooks.vllm_worker")  # (imported where it ran)
+    if worker is not None:
+        worker.forget_runner()
     hooks.uninstrument()
     owners.uninstall_engine_method()
     rt = _rt.get()

@@ -320,11 +320,11 @@ class DeviceChecker:
         """Request ``rid``, still running, holds ``blocks`` no more (its
         attention window moved past them): it neither reads nor writes them,
         and another request may be handed them."""
-        mine = self.req_blocks.get(rid)
-        if not mine:
+        if rid not in self.req_blocks:
             return
+        # (its block list keeps them: membership there is only read to let
+        # go of its holds and productions, which for these is done here)
         gone = set(blocks)
-        self.req_blocks[rid] = [b for b in mine if b not in gone]
         holders = self.holders
         for b in gone:
             h = holders.get(b)
@@ -838,6 +838,13 @@ class DeviceChecker:
         host sync on the steps this happens.)"""
         if self._pending_guard is not None:
             self._settle()
+        defer = self._defer_guard
+        if defer is None:
+            defer = self._cuda and slot_mapping.is_cuda
+        if defer and self._np is not None:  # counted when the copy is in (_settle)
+            buf = self._slot_buf(slot_mapping.dtype, total)
+            self._pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), None, None, total)
+            return
         self._count_fill(slot_mapping[:total].to(self.fill.device))
         self.check_hits_written()
 
@@ -863,6 +870,11 @@ class DeviceChecker:
                 n, dtype=dtype, pin_memory=torch.cuda.is_available())
         return buf[:total]
 
+    def settle(self) -> None:
+        """Check the deferred write guard now, if one is pending."""
+        if self._pending_guard is not None:
+            self._settle()
+
     def _settle(self) -> None:
         """Check the deferred guard, if one is pending (waiting, at most,
         for its slot mapping's copy: queued before the step's forward, it
@@ -874,6 +886,10 @@ class DeviceChecker:
         buf, event, ids, counts, total = pending
         if event is not None:
             event.synchronize()
+        if ids is None:  # count_writes: no writers to check
+            self._count_fill(buf[:total].to(self.fill.device))
+            self.check_hits_written()
+            return
         self._check_writes(buf, ids, counts, total)
 
     def _check_writes(self, slot_mapping: torch.Tensor, ids: list[int], counts: list[int],

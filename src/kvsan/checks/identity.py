@@ -200,6 +200,8 @@ class IdentityAudit:
         key); a block keeps its first producer while its key is unchanged."""
         keys, owners, chains, index, weights_of = self.records
         for k, block, key in blocks:
+            if block < 0:
+                continue  # not a block id (the C path declines it too)
             if block >= len(keys):
                 self._grow(block + 1)
             known = keys[block]

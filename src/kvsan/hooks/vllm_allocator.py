@@ -786,8 +786,10 @@ def targets() -> list[Target]:
                _owner_scoped(_RID, "alloc"), True, owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
                _owner_scoped(_RID, "alloc"), True, owner=_RID),
+        # (the base class's method only: MambaManager's override, for a
+        # group the worker view does not follow, calls it or frees on its own)
         Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
-               _remove_blocks_in_range, True),
+               _remove_blocks_in_range),
         Target(_STM, "SingleTypeKVCacheManager.free", _owner_scoped(_RID, "free"), True,
                owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),

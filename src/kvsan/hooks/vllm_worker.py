@@ -81,33 +81,47 @@ def _layers(runner) -> list:
 _dguard = functools.partial(_guard, device=True)
 
 
-#: the KV cache spec types of group 0 the worker view follows: decoder
-#: attention written through the slot mappings, whose blocks leave a running
-#: request only as the scheduler's journal says
-FOLLOWED_SPECS = frozenset({"FullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
-                            "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec"})
-
-
 def unfollowed(kv_cache_config, dcp_world_size: int = 1) -> str | None:
-    """Why the worker view cannot follow this cache, or None.  Group 0 of a
-    hybrid model may be Mamba or linear attention (no slot mapping: the V1
-    guard would read a mapping of zeros and report every write), an
-    encoder's, or a kind whose blocks move in ways the journal does not
-    carry; decode context parallelism splits a scheduler block over ranks.
-    The device side is then off for that runner, said once: reporting
-    legal traffic would be worse than not checking it."""
+    """Why the worker view cannot follow this cache, or None.  It follows
+    group 0 where that is decoder attention written through the slot
+    mappings (full attention and MLA, sliding window, chunked local, and
+    their subclasses), whose blocks leave a running request only as the
+    scheduler's journal says.  A hybrid model's group 0 may be Mamba or
+    linear attention (no slot mapping: the V1 guard would read a mapping of
+    zeros and report every write), an encoder's, or a kind whose blocks
+    move in ways the journal does not carry; decode context parallelism
+    splits a scheduler block over ranks.  The device side is then off for
+    that runner, said once: reporting legal traffic would be worse than
+    not checking it."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
     groups = kv_cache_config.kv_cache_groups
     if not groups:
         return "no KV cache group"
     spec = groups[0].kv_cache_spec
     inner = getattr(spec, "kv_cache_specs", None)  # UniformTypeKVCacheSpecs
-    kinds = {type(s).__name__ for s in inner.values()} if inner else {type(spec).__name__}
-    other = sorted(kinds - FOLLOWED_SPECS)
+    specs = list(inner.values()) if inner else [spec]
+    followed = (FullAttentionSpec, SlidingWindowSpec, ChunkedLocalAttentionSpec)
+    other = sorted({type(s).__name__ for s in specs if not isinstance(s, followed)})
     if other:
         return f"KV cache group 0 is {', '.join(other)}"
     if dcp_world_size > 1:
         return f"decode context parallel size {dcp_world_size}"
     return None
+
+
+def _dcp_size(runner) -> int:
+    """The runner's decode context parallel size (V1 and V2 both keep the
+    parallel config; their own attributes differ)."""
+    cfg = getattr(runner, "parallel_config", None)
+    size = getattr(cfg, "decode_context_parallel_size", None)
+    if size is None:
+        size = getattr(runner, "dcp_world_size", None) or getattr(runner, "dcp_size", 1)
+    return int(size or 1)
 
 
 #: runners whose cache the worker view cannot follow (see :func:`unfollowed`)
@@ -122,7 +136,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
         if runner in _unfollowed:
             return None
         cfg = runner.kv_cache_config
-        why = unfollowed(cfg, getattr(runner, "dcp_world_size", 1) or 1)
+        why = unfollowed(cfg, _dcp_size(runner))
         if why is not None:
             _unfollowed.add(runner)
             rt.reporter.event("kvsan.device_off", reason=why, pid=rt.pid, role=rt.role)
@@ -272,6 +286,9 @@ def _execute_model(wrapped, instance, args, kwargs):
             # before the next execute_model, so the step is sealed there
             # (or at shutdown), with no hook of its own on the step's path
             _unsealed[id(instance)] = (weakref.ref(instance), got[0], got[1])
+            # the step's write guard is still reported in the step (on a GPU
+            # its slot mapping's copy was queued before the forward)
+            _dguard(rt, "execute_model.guard", got[0].settle)
         else:
             _dguard(rt, "execute_model.seal", got[0].seal, got[1])
     return ret
@@ -327,10 +344,32 @@ def _shutdown(wrapped, instance, args, kwargs):
     violation of the last steps is reported, not lost with the process."""
     rt = _rt.get()
     dc = _checkers.get(instance) if rt is not None else None
-    if dc is not None:
-        _seal_left(rt, instance)
-        _dguard(rt, "shutdown.flush", dc.flush)
-    return wrapped(*args, **kwargs)
+    found = None
+    try:
+        if dc is not None:
+            _seal_left(rt, instance)
+            _dguard(rt, "shutdown.flush", dc.flush)
+    except BaseException as e:  # noqa: BLE001 - a violation (raise mode): after vLLM's shutdown
+        found = e
+    finally:  # nothing of ours keeps the runner's cache alive
+        _unsealed.pop(id(instance), None)
+        forget_runner(instance)
+    ret = wrapped(*args, **kwargs)  # releases the cache, whatever was found
+    if found is not None:
+        raise found
+    return ret
+
+
+def forget_runner(runner=None) -> None:
+    """Drop the one-entry caches' references to ``runner`` (to every
+    runner: None), so its cache tensors can be released (at shutdown; at
+    uninstall)."""
+    for last in (_LAST_CHECKER, _LAST_LAYERS):
+        ref = last[0]
+        if runner is None or (ref is not None and ref() is runner):
+            last[:] = [None, None]
+    if runner is None:
+        _unsealed.clear()
 
 
 def targets() -> list[Target]:
