@@ -34,7 +34,7 @@ def test_native_hooks_are_installed(rt):
 
     from kvsan import _hookfast, hooks
 
-    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 5
+    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 6
     for attr in HOOKED:
         hook = BlockPool.__dict__[attr]
         assert hooks.native_hook(hook) is hook, attr

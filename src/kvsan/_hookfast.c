@@ -15,7 +15,9 @@
  * ``KVCacheCoordinator.allocate_new_computed_blocks``, makes its hit check
  * (hits_call), both through kvsan's own C functions for the clean case.  A
  * sixth, END, on ``Scheduler._free_request``, files a clean request end
- * (end_call).
+ * (end_call).  A seventh, SKIP, on
+ * ``SingleTypeKVCacheManager._remove_blocks_in_range``, lets through the
+ * calls that remove nothing (skip_call).
  *
  * It is only a faster route to the same results:
  *  - anything it does not handle (kvsan off, a pool without a native table,
@@ -40,9 +42,10 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 5
+#define KVSAN_HOOKFAST_ABI 6
 
-enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5, K_N = 6 };
+enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
+       K_SKIP = 6, K_N = 7 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -60,7 +63,8 @@ static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_f
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
     *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
-    *s_requests, *s_req_to_blocks, *zero;
+    *s_requests, *s_req_to_blocks, *s_kv_cache_group_id, *s_is_null, *s_dropped, *s_block_id,
+    *s_remove_blocks, *zero;
 
 typedef struct {
     PyObject_HEAD
@@ -667,6 +671,122 @@ decline:
     return SLOW();
 }
 
+/* K_SKIP: ``SingleTypeKVCacheManager._remove_blocks_in_range(request_id,
+ * first, last)``, which vLLM calls for every running request each step once
+ * its attention window has passed a block.  What it removes from a request
+ * of group 0 (the group the worker view follows) goes to the step journal's
+ * ``dropped`` as (request id, block ids), as the Python hook
+ * (kvsan.hooks.vllm_allocator._remove_blocks_in_range) files it: the
+ * candidates are read as vLLM finds them, backward from ``last`` to the
+ * first null block, and those no longer in the table after the call were
+ * removed.  Most calls remove nothing (the range's last block is already
+ * null) and cost a few attribute reads.  Another group's calls: vLLM's
+ * method alone.  Other arguments or shapes: the Python hook, whole. */
+static PyObject *
+skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    if (PyVectorcall_NARGS(nargsf) != 4 || kwnames != NULL) {
+        return SLOW();
+    }
+    PyObject *gid = PyObject_GetAttr(args[0], s_kv_cache_group_id);
+    long g = gid != NULL && PyLong_CheckExact(gid) ? PyLong_AsLong(gid) : -1;
+    Py_XDECREF(gid);
+    if (g != 0 || PyErr_Occurred()) {
+        PyErr_Clear();
+        return g > 0 ? PyObject_Vectorcall(h->original, args, nargsf, kwnames) : SLOW();
+    }
+    PyObject *tables = PyObject_GetAttr(args[0], s_req_to_blocks);
+    PyObject *blocks = tables != NULL && PyDict_Check(tables)
+                           ? PyDict_GetItemWithError(tables, args[1]) : NULL; /* borrowed */
+    Py_ssize_t first = PyLong_AsSsize_t(args[2]), last = PyLong_AsSsize_t(args[3]);
+    if (tables == NULL || !PyDict_Check(tables) || PyErr_Occurred()
+        || (blocks != NULL && !PyList_CheckExact(blocks))) {
+        Py_XDECREF(tables);
+        PyErr_Clear();
+        return SLOW();
+    }
+    Py_XINCREF(blocks); /* held across vLLM's call */
+    Py_DECREF(tables);
+    Py_ssize_t n = blocks != NULL ? PyList_GET_SIZE(blocks) : 0;
+    if (last > n) {
+        last = n;
+    }
+    if (first < 0) {
+        first = 0;
+    }
+    /* the candidates, as vLLM finds them: the table's items (new refs) */
+    Py_ssize_t m = 0, cap = last > first ? last - first : 0;
+    PyObject **cand = cap ? PyMem_Malloc(sizeof(PyObject *) * cap) : NULL;
+    if (cap && cand == NULL) {
+        Py_XDECREF(blocks);
+        PyErr_Clear();
+        return SLOW();
+    }
+    for (Py_ssize_t i = last - 1; i >= first; i--) {
+        PyObject *b = PyList_GET_ITEM(blocks, i);
+        PyObject *isnull = PyObject_GetAttr(b, s_is_null);
+        int t = isnull == NULL ? -1 : PyObject_IsTrue(isnull);
+        Py_XDECREF(isnull);
+        if (t != 0) {
+            if (t < 0) { /* not vLLM's blocks: the Python hook, whole */
+                for (Py_ssize_t j = 0; j < m; j++) {
+                    Py_DECREF(cand[j]);
+                }
+                PyMem_Free(cand);
+                Py_DECREF(blocks);
+                PyErr_Clear();
+                return SLOW();
+            }
+            break;
+        }
+        cand[m++] = Py_NewRef(b);
+    }
+    if (m == 0) { /* nothing to remove */
+        PyMem_Free(cand);
+        Py_XDECREF(blocks);
+        h->calls++;
+        return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    }
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) { /* removed: the candidates no longer at their index */
+        PyObject *gone = PyList_New(0);
+        int ok = gone != NULL;
+        for (Py_ssize_t j = 0; ok && j < m; j++) {
+            Py_ssize_t i = last - 1 - j;
+            if (i < PyList_GET_SIZE(blocks) && PyList_GET_ITEM(blocks, i) != cand[j]) {
+                PyObject *id = PyObject_GetAttr(cand[j], s_block_id);
+                ok = id != NULL && PyList_Append(gone, id) == 0;
+                Py_XDECREF(id);
+            }
+        }
+        if (ok && PyList_GET_SIZE(gone)) {
+            PyObject *entry = PyTuple_Pack(2, args[1], gone);
+            PyObject *one = entry == NULL ? NULL : PyList_New(1);
+            if (one != NULL) {
+                PyList_SET_ITEM(one, 0, entry);
+                entry = NULL;
+                ok = journal_extend(rt, s_dropped, one) == 0;
+                Py_DECREF(one);
+            } else {
+                ok = 0;
+            }
+            Py_XDECREF(entry);
+        }
+        Py_XDECREF(gone);
+        if (!ok && failed(rt, s_remove_blocks) < 0) { /* kvsan's own failure:
+            * counted (vLLM's result kept), raised only outside log mode */
+            Py_CLEAR(ret);
+        }
+        h->calls++;
+    }
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_DECREF(cand[j]);
+    }
+    PyMem_Free(cand);
+    Py_DECREF(blocks);
+    return ret;
+}
+
 static PyObject *
 hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -690,6 +810,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     if (h->kind == K_END) {
         return end_call(h, rt, args, nargsf, kwnames);
+    }
+    if (h->kind == K_SKIP) {
+        return skip_call(h, rt, args, nargsf, kwnames);
     }
     /* which calls this route takes: the shapes vLLM 0.32 makes */
     PyObject *blocks = NULL, *lo = NULL, *hi = NULL, *request = NULL;
@@ -1212,6 +1335,11 @@ PyInit__hookfast(void)
     INTERN(s_status, "status");
     INTERN(s_requests, "requests");
     INTERN(s_req_to_blocks, "req_to_blocks");
+    INTERN(s_kv_cache_group_id, "kv_cache_group_id");
+    INTERN(s_is_null, "is_null");
+    INTERN(s_dropped, "dropped");
+    INTERN(s_block_id, "block_id");
+    INTERN(s_remove_blocks, "remove_blocks");
     if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
@@ -1226,7 +1354,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "RELEASE", K_RELEASE) < 0
         || PyModule_AddIntConstant(m, "CACHE", K_CACHE) < 0
         || PyModule_AddIntConstant(m, "HITS", K_HITS) < 0
-        || PyModule_AddIntConstant(m, "END", K_END) < 0) {
+        || PyModule_AddIntConstant(m, "END", K_END) < 0
+        || PyModule_AddIntConstant(m, "SKIP", K_SKIP) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -718,7 +718,9 @@ def _remove_blocks_in_range(wrapped, instance, args, kwargs):
     no reuse.  Found as vLLM finds them, backward from ``last`` to the first
     null block, so a call costs the blocks it removes.  Only calls made with
     positional arguments (as vLLM makes them) are read; the owner frame of
-    the same method attributes the free inside."""
+    the same method attributes the free inside.  Where ``kvsan._hookfast``
+    is built, its SKIP hook lets the calls that remove nothing through in C
+    and hands this the rest."""
     rt = _rt._runtime
     if rt is None or kwargs or len(args) != 3 \
             or getattr(instance, "kv_cache_group_id", 0) != 0:
@@ -738,6 +740,11 @@ def _remove_blocks_in_range(wrapped, instance, args, kwargs):
     if got:
         _guard(rt, "remove_blocks", _journal_dropped, rt, args[0], *got)
     return ret
+
+
+def _nothing_after(*args) -> None:
+    """The native SKIP hook's second half: it has none (a call it lets
+    through removes nothing; any other goes to the Python hook whole)."""
 
 
 def _window_candidates(manager, rid, first: int, last: int):
@@ -789,7 +796,7 @@ def targets() -> list[Target]:
         # (the base class's method only: MambaManager's override, for a
         # group the worker view does not follow, calls it or frees on its own)
         Target(_STM, "SingleTypeKVCacheManager._remove_blocks_in_range",
-               _remove_blocks_in_range),
+               _remove_blocks_in_range, fast=("SKIP", _nothing_after)),
         Target(_STM, "SingleTypeKVCacheManager.free", _owner_scoped(_RID, "free"), True,
                owner=_RID),
         Target(_STM, "SingleTypeKVCacheManager._apply_cow", _apply_cow, True),
