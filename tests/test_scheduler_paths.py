@@ -398,19 +398,10 @@ def test_a_sliding_window_dropping_blocks_is_told_to_the_worker(rt):
     (``dropped``): applied, the blocks handed to another request are no
     reuse; not applied (as before), the worker view reported
     reuse_with_live_owners on legal traffic."""
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-
     from kvsan.checks.device import DeviceChecker
-    from vllm_objects import BLOCK, make_request
+    from vllm_objects import BLOCK, make_request, make_sliding_manager
 
-    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                             dtype=torch.float32, sliding_window=2 * BLOCK)
-    cfg = KVCacheConfig(num_blocks=12, kv_cache_tensors=[],
-                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    m = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=BLOCK,
-                       hash_block_size=BLOCK, enable_caching=False)
+    m = make_sliding_manager(12, caching=False)
     rt.journal.take()
     found = {"told": [], "not told": []}
     views = {name: DeviceChecker(12, BLOCK, emit=found[name].append) for name in found}
@@ -451,20 +442,11 @@ def test_a_sliding_window_dropping_blocks_is_told_to_the_worker(rt):
 def test_dropped_blocks_journaled_the_same_natively_and_in_python(rt):
     """The native SKIP hook and the Python hook file the same (request,
     blocks) for a sliding window's removals, call for call."""
-    import torch
-    from vllm.v1.core.kv_cache_manager import KVCacheManager
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
-
     from kvsan import hooks
-    from vllm_objects import BLOCK, make_request
+    from vllm_objects import BLOCK, make_request, make_sliding_manager
 
     def run():
-        spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
-                                 dtype=torch.float32, sliding_window=2 * BLOCK)
-        cfg = KVCacheConfig(num_blocks=40, kv_cache_tensors=[],
-                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-        m = KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=BLOCK,
-                           hash_block_size=BLOCK, enable_caching=True)
+        m = make_sliding_manager(40)
         rt.journal.take()
         reqs = [make_request([(5 * i + k) % 300 + 1 for i in range(3 * BLOCK + 7)], f"J{k}")
                 for k in range(3)]

@@ -16,6 +16,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.request import Request
 
@@ -61,6 +62,19 @@ def make_hybrid_manager(num_blocks: int = 64, block: int = 64,
                                          KVCacheGroupSpec(["mamba"], mamba)])
     return KVCacheManager(cfg, max_model_len=8192, scheduler_block_size=block,
                           hash_block_size=BLOCK, enable_caching=True)
+
+
+def make_sliding_manager(num_blocks: int, window: int = 2 * BLOCK,
+                         caching: bool = True) -> KVCacheManager:
+    """A sliding-window model's manager (one group, as Mistral has): vLLM
+    frees a running request's blocks once its ``window``-token attention
+    window has moved past them."""
+    spec = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=1, head_size=1,
+                             dtype=torch.float32, sliding_window=window)
+    cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
+    return KVCacheManager(cfg, max_model_len=1024, scheduler_block_size=BLOCK,
+                          hash_block_size=BLOCK, enable_caching=caching)
 
 
 def make_request(tokens: list[int], rid: str | None = None) -> Request:
