@@ -749,6 +749,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     }
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) { /* removed: the candidates no longer at their index */
+        double t0 = now();
         PyObject *gone = PyList_New(0);
         int ok = gone != NULL;
         for (Py_ssize_t j = 0; ok && j < m; j++) {
@@ -777,7 +778,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             * counted (vLLM's result kept), raised only outside log mode */
             Py_CLEAR(ret);
         }
-        h->calls++;
+        took(h, rt, now() - t0); /* (a call that removes nothing is not timed) */
     }
     for (Py_ssize_t j = 0; j < m; j++) {
         Py_DECREF(cand[j]);
