@@ -747,6 +747,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         h->calls++;
         return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     }
+    Py_INCREF(rt); /* borrowed from the runtime module, which the call may change */
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) { /* removed: the candidates no longer at their index */
         double t0 = now();
@@ -785,6 +786,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     }
     PyMem_Free(cand);
     Py_DECREF(blocks);
+    Py_DECREF(rt);
     return ret;
 }
 
