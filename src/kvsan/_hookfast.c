@@ -775,11 +775,14 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             Py_XDECREF(entry);
         }
         Py_XDECREF(gone);
+        PyObject *et, *ev, *etb; /* a failure of ours, set aside while the time is filed */
+        PyErr_Fetch(&et, &ev, &etb);
+        took(h, rt, now() - t0); /* (a call that removes nothing is not timed) */
+        PyErr_Restore(et, ev, etb);
         if (!ok && failed(rt, s_remove_blocks) < 0) { /* kvsan's own failure:
             * counted (vLLM's result kept), raised only outside log mode */
             Py_CLEAR(ret);
         }
-        took(h, rt, now() - t0); /* (a call that removes nothing is not timed) */
     }
     for (Py_ssize_t j = 0; j < m; j++) {
         Py_DECREF(cand[j]);
