@@ -471,3 +471,39 @@ def test_dropped_blocks_journaled_the_same_natively_and_in_python(rt):
     finally:
         hooks.use_native(rt.config.native)
     assert native == python and sum(map(len, native)) >= 6 and kinds_of(rt) == []
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_failure_filing_dropped_blocks_is_counted_not_raised(rt, native):
+    """kvsan's own failure while filing a window's dropped blocks (here:
+    a journal list that refuses them) is counted under its site, and vLLM's
+    removal stands; nothing reaches the engine in log mode."""
+    from kvsan import hooks
+    from vllm_objects import BLOCK, make_request, make_sliding_manager
+
+    class Refusing(list):
+        def append(self, item):
+            raise RuntimeError("journal refuses")
+
+        def extend(self, items):
+            raise RuntimeError("journal refuses")
+
+    hooks.use_native(native)
+    try:
+        m = make_sliding_manager(40)
+        errors = rt.reporter.internal_errors
+        r = make_request([(7 * i) % 300 + 1 for i in range(3 * BLOCK + 3)], f"X-{native}")
+        assert m.allocate_slots(r, r.num_tokens) is not None
+        r.num_computed_tokens = r.num_tokens
+        rt.journal.dropped = Refusing()
+        for _ in range(BLOCK):
+            r.append_output_token_ids(9)
+            assert m.allocate_slots(r, 1) is not None
+            r.num_computed_tokens += 1
+        table = m.coordinator.single_type_managers[0].req_to_blocks[r.request_id]
+        assert table[0].is_null  # vLLM's removal stands
+        assert rt.reporter.internal_errors > errors
+        assert "remove_blocks" in rt.reporter._error_sites
+    finally:
+        rt.journal.take()
+        hooks.use_native(rt.config.native)
