@@ -719,8 +719,8 @@ def _remove_blocks_in_range(wrapped, instance, args, kwargs):
     null block, so a call costs the blocks it removes.  Only calls made with
     positional arguments (as vLLM makes them) are read; the owner frame of
     the same method attributes the free inside.  Where ``kvsan._hookfast``
-    is built, its SKIP hook lets the calls that remove nothing through in C
-    and hands this the rest."""
+    is built, its SKIP hook does the same in C and hands this only the calls
+    of other shapes."""
     rt = _rt._runtime
     if rt is None or kwargs or len(args) != 3 \
             or getattr(instance, "kv_cache_group_id", 0) != 0:
