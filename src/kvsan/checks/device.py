@@ -336,8 +336,7 @@ class DeviceChecker:
         if me is not None:  # no longer its producer
             if self._pending_guard is not None:
                 self._settle()
-            gone = list(gone)
-            self._put(0, [b for b, p in zip(gone, self._read(0, gone)) if p == me], _NONE)
+            self._unproduce(me, gone)
 
     def drop_requests(self, rids: Iterable[str]) -> None:
         """:meth:`drop_request` for each of ``rids`` the worker view holds
@@ -346,6 +345,21 @@ class DeviceChecker:
         for rid in rids:
             if rid in held or rid in ints:
                 self.drop_request(rid)
+
+    def _unproduce(self, me: int, blocks) -> None:
+        """Those of ``blocks`` that request int ``me`` produced have no
+        producer now (one small op, no sync)."""
+        if not blocks:
+            return
+        if self._np is not None:
+            lut = self._mv[0]
+            for b in blocks:
+                if lut[b] == me:
+                    lut[b] = _NONE
+        else:
+            lut = self.lut
+            idx = torch.as_tensor(list(blocks), dtype=torch.long, device=lut.device)
+            lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
 
     def drop_request(self, rid: str) -> None:
         if self._pending_guard is not None:
@@ -361,16 +375,7 @@ class DeviceChecker:
         if me is None:
             return
         self._last_batch = None  # its int may go to another request
-        if blocks:  # the blocks it produced have no producer now (one small op, no sync)
-            if self._np is not None:
-                lut = self._mv[0]
-                for b in blocks:
-                    if lut[b] == me:
-                        lut[b] = _NONE
-            else:
-                lut = self.lut
-                idx = torch.as_tensor(blocks, dtype=torch.long, device=lut.device)
-                lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
+        self._unproduce(me, blocks)
         self._int_rid[me] = None
         self._free_ints.append(me)
 
@@ -818,15 +823,23 @@ class DeviceChecker:
                 ids = [i if i is not None else rint(r) for i, r in zip(ids, batch_rids)]
             self._last_batch = (list(batch_rids), ids)
         counts = tokens_per_req if type(tokens_per_req) is list else list(tokens_per_req)
+        if self._defer(slot_mapping, total, ids, counts):
+            return
+        self._check_writes(slot_mapping, ids, counts, total)
+
+    def _defer(self, slot_mapping: torch.Tensor, total: int, ids, counts) -> bool:
+        """Where the slot mapping is on a device and the tables in host
+        memory (and deferring is on): queue its copy into host memory and
+        leave the check (``ids`` None: the count only) to :meth:`_settle`.
+        Returns whether it did."""
         defer = self._defer_guard
         if defer is None:  # (a cache in host memory: so is the slot mapping)
             defer = self._cuda and slot_mapping.is_cuda
-        if defer and self._np is not None:
-            buf = self._slot_buf(slot_mapping.dtype, total)
-            event = _copy_back(buf, slot_mapping[:total])
-            self._pending_guard = (buf, event, ids, counts, total)
-            return
-        self._check_writes(slot_mapping, ids, counts, total)
+        if not defer or self._np is None:
+            return False
+        buf = self._slot_buf(slot_mapping.dtype, total)
+        self._pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total)
+        return True
 
     def count_writes(self, slot_mapping: torch.Tensor, total: int) -> None:
         """A step's writes whose writers are not known (V2's adaptive
@@ -838,12 +851,7 @@ class DeviceChecker:
         host sync on the steps this happens.)"""
         if self._pending_guard is not None:
             self._settle()
-        defer = self._defer_guard
-        if defer is None:
-            defer = self._cuda and slot_mapping.is_cuda
-        if defer and self._np is not None:  # counted when the copy is in (_settle)
-            buf = self._slot_buf(slot_mapping.dtype, total)
-            self._pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), None, None, total)
+        if self._defer(slot_mapping, total, None, None):  # counted when the copy is in
             return
         self._count_fill(slot_mapping[:total].to(self.fill.device))
         self.check_hits_written()
