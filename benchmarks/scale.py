@@ -1,8 +1,10 @@
 """Scale benchmark: shadow memory per block, full-audit time, and per-step
 cost against blocks changed per step, for pools of 10k, 100k and 1M blocks.
 
-* memory: ``tracemalloc`` over the table's own structures (owner strings and
-  cache keys belong to the engine and are created beforehand), empty, with
+* memory: ``tracemalloc`` over the table's own structures (owner strings,
+  cache keys and block ids belong to the engine and are created
+  beforehand: vLLM's ``KVCacheBlock`` keeps its id for the pool's life, and
+  kvsan keys its shared-block entries by it), empty, with
   every block owned (16 blocks per request), and with every block cached and
   shared by two owners at 10% of blocks; and the identity audit's state with
   every block cached (its producer records, and the token chains of the
@@ -44,6 +46,7 @@ def memory(n: int) -> dict:
     _checker(16)  # imports and one-time interning happen outside the trace
     owners = [f"req-{i:08d}" for i in range(n // 16 + 2)]
     keys = [i.to_bytes(32, "little") for i in range(n)]
+    ids = list(range(n))
     gc.collect()
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
@@ -56,7 +59,7 @@ def memory(n: int) -> dict:
     ck.on_cached((b, keys[b]) for b in range(1, n))
     extra = owners[-1]
     for b in range(1, n, 10):
-        ck.on_share([(b, 2, False)], extra, "x.py:g:1")
+        ck.on_share([(ids[b], 2, False)], extra, "x.py:g:1")
     full = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     del ck

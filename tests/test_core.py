@@ -1,6 +1,7 @@
 """The engine-agnostic core, fed events directly (no vLLM import)."""
 
 import json
+import time
 
 import pytest
 
@@ -172,3 +173,45 @@ def test_a_block_cached_and_evicted_in_one_step_is_not_sent_as_cached():
     ck.on_allocate([(3, 1)], "B", "s")
     ck.on_cached([(3, b"k3b")])  # evicted, reused and cached again
     assert still_cached([3, 4], ck.shadow.cached) == [3, 4] and out == []
+
+
+def test_a_shared_block_keeps_one_further_owner_without_a_list():
+    """``more`` holds a block's one further owner itself, a list only from
+    two on, and goes back to the owner when a list is left with one (most
+    shared blocks have two owners: a list cost 64 bytes each)."""
+    from kvsan.shadow import ShadowTable
+
+    sh = ShadowTable(4)
+    for o in ("A", "B"):
+        sh.add_owner(1, o)
+    assert sh.more == {1: "B"} and sh.owners(1) == ["A", "B"] and sh.extras(1) == ["B"]
+    assert sh.is_owner(1, "B") and not sh.is_owner(1, "C")
+    sh.acquire([1], "C", 3, 0)
+    assert sh.more == {1: ["B", "C"]} and sh.blocks_of("C") == [1] and sh.num_owners(1) == 3
+    assert sh.remove_owner(1, "B") and sh.more == {1: "C"}
+    assert not sh.remove_owner(1, "B") and not sh.remove_owner(1, "D")
+    assert sh.remove_owner(1, "A") and sh.own0[1] == "C" and sh.more == {}
+    assert sh.remove_owner(1, "C") and sh.owners(1) == [] and sh.held == {}
+
+
+def test_call_sites_past_the_two_byte_ids_are_not_interned(monkeypatch):
+    """Call-site ids are 2-byte array items: past the limit a site is
+    recorded as unknown ("?") rather than wrapping onto another's id."""
+    from kvsan import shadow
+
+    monkeypatch.setattr(shadow, "MAX_SITES", 3)
+    sh = shadow.ShadowTable(2)
+    assert [sh.site_id(s) for s in ("a.py:f:1", "b.py:g:2", "c.py:h:3", "a.py:f:1")] == [1, 2, 0, 1]
+    assert sh.sites == ["?", "a.py:f:1", "b.py:g:2"]
+    sh.note_release(1, "A", 5, sh.site_id("c.py:h:3"))
+    assert sh.describe(1)["last_release"] == {"owner": "A", "step": 5, "site": "?"}
+
+
+def test_since_records_time_and_step():
+    from kvsan.shadow import ShadowTable
+
+    sh = ShadowTable(4)
+    sh.clock = lambda: 12345678
+    sh.add_owner(2, "A")
+    t, step = sh.since_of("A")
+    assert step == 12345678 and abs(time.monotonic() - t) < 60 and sh.since_of("B") is None

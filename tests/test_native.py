@@ -30,7 +30,7 @@ def test_speedups_are_built_and_in_use(rt):
     measure and test only the Python paths without noticing)."""
     from kvsan import _frames, _shadowfast, hooks
 
-    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 4
+    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 5
     assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
     m = make_manager(8)
     assert rt.checkers[m.block_pool].fast is not None
@@ -41,14 +41,14 @@ def _table_state(ck) -> dict:
     n = sh.num_blocks
     return {
         "own0": list(sh.own0),
-        "more": {b: list(v) for b, v in sh.more.items()},
+        "more": {b: sh.extras(b) for b in sh.more},
         "nown": list(sh.nown),
         "cached": bytes(sh.cached),
         "hashes": list(sh.hashes),
         "acq": [(sh.acq_owner[b], sh.acq_step[b], sh.sites[sh.acq_site[b]]) for b in range(n)],
         "rel": [(sh.rel_owner[b], sh.rel_step[b], sh.sites[sh.rel_site[b]]) for b in range(n)],
         "held": dict(sh.held),
-        "since": {o: step for o, (_t, step) in sh.since.items()},
+        "since": {o: sh.since_of(o)[1] for o in sh.since},
         "ended": dict(sh.ended),
         "nonrequest": sorted(sh.nonrequest),
         "n_owned": sh.n_owned,
@@ -309,15 +309,18 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     pool.touch(blocks)
     sh = ck.shadow
     ids = [b.block_id for b in blocks]
-    assert {b: list(sh.more[b]) for b in ids} == {b: ["B"] for b in ids}
-    assert not any(gc.is_tracked(sh.more[b]) for b in ids)
+    assert {b: sh.more[b] for b in ids} == {b: "B" for b in ids}  # one further owner: no list
     assert not gc.is_tracked(sh.since["B"])
     ctx[-1] = ("C", "alloc")
     pool.touch(blocks)
-    assert {b: list(sh.more[b]) for b in ids} == {b: ["B", "C"] for b in ids}
+    assert {b: sh.more[b] for b in ids} == {b: ["B", "C"] for b in ids}
+    assert not any(gc.is_tracked(sh.more[b]) for b in ids)
+    left = {"B": "C", "A": None, "C": None}  # what more holds after each release
     for owner in ("B", "A", "C"):
         ctx[-1] = (owner, "free")
         pool.free_blocks(reversed(blocks))
+        assert [sh.more.get(b) for b in ids] == [left[owner]] * 3, owner  # a list of one: its owner
+    assert [sh.own0[b] for b in ids] == [None] * 3
     ctx.pop()
     assert sh.more == {} and sh.held == {} and not rt.violations()
 

@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 4
+#define KVSAN_SHADOWFAST_ABI 5
 
 #include <opcode.h>
 #include <structmember.h>
@@ -159,7 +159,7 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t n;
     PyObject *own0;      /* list: first owner of each block or None */
-    PyObject *more;      /* dict: block -> list of further owners */
+    PyObject *more;      /* dict: block -> its further owner, or a list of them (2+) */
     PyObject *hashes;    /* list: cache key of each cached block */
     PyObject *acq_owner; /* list */
     PyObject *rel_owner; /* list */
@@ -168,7 +168,7 @@ typedef struct {
     PyObject *sh;        /* the ShadowTable (totals, _hold/_unhold, site_id) */
     PyObject *counters;  /* dict: the checker's event counters */
     PyObject *held;      /* dict: owner -> references held (shadow.held) */
-    PyObject *since;     /* dict: owner -> (monotonic time, step) it began to hold */
+    PyObject *since;     /* dict: owner -> complex(monotonic time, step) it began to hold */
     PyObject *ended;     /* dict: shadow.ended */
     PyObject *nonrequest; /* set: shadow.nonrequest */
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
@@ -334,8 +334,8 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         Py_ssize_t itemsize;
     } bufs[] = {
         {"nown", &self->nown, 4},         {"cached", &self->cached, 1},
-        {"acq_step", &self->acq_step, 4}, {"acq_site", &self->acq_site, 4},
-        {"rel_step", &self->rel_step, 4}, {"rel_site", &self->rel_site, 4},
+        {"acq_step", &self->acq_step, 4}, {"acq_site", &self->acq_site, 2},
+        {"rel_step", &self->rel_step, 4}, {"rel_site", &self->rel_site, 2},
     };
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) {
         PyObject *o = PyObject_GetAttrString(sh, bufs[i].name);
@@ -363,6 +363,7 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
 #define NOWN(t) ((int *)(t)->nown.buf)
 #define CACHED(t) ((unsigned char *)(t)->cached.buf)
 #define I32(v) ((int *)(v).buf)
+#define U16(v) ((unsigned short *)(v).buf)
 
 /* an int attribute of an engine block: 0 ok, -1 error, 1 not an int */
 static int
@@ -512,8 +513,8 @@ find_owner(PyObject *lst, PyObject *owner)
     return -1;
 }
 
-/* ``owner`` is an owner of ``b``: 1 as own0, 2 in more (its index there in
- * *pos_out), 0 not, -1 error */
+/* ``owner`` is an owner of ``b``: 1 as own0, 2 in more's list (its index
+ * there in *pos_out), 3 as more's one further owner, 0 not, -1 error */
 static int
 owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *pos_out)
 {
@@ -535,8 +536,13 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *
     if (extra == NULL) {
         return PyErr_Occurred() ? -1 : 0;
     }
-    if (!PyList_CheckExact(extra)) {
-        return 0;
+    if (!PyList_CheckExact(extra)) { /* the one further owner */
+        r = extra == owner ? 1 : PyObject_RichCompareBool(extra, owner, Py_EQ);
+        if (r > 0) {
+            *extra_out = extra;
+            return 3;
+        }
+        return r;
     }
     Py_ssize_t j = find_owner(extra, owner);
     if (j >= 0) {
@@ -545,6 +551,44 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *
         return 2;
     }
     return j == -1 ? 0 : -1;
+}
+
+/* Take the owner at index ``j`` (-1: the last) out of ``extra``, block
+ * ``key``'s entry in ``more`` (borrowed), and return it (a new reference).
+ * A list left with one owner becomes that owner; an emptied entry goes. */
+static PyObject *
+pop_extra(Table *t, PyObject *key, PyObject *extra, Py_ssize_t j)
+{
+    if (!PyList_CheckExact(extra)) { /* the one further owner */
+        PyObject *got = Py_NewRef(extra);
+        if (PyDict_DelItem(t->more, key) < 0) {
+            Py_DECREF(got);
+            return NULL;
+        }
+        return got;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(extra);
+    if (j < 0) {
+        j = n - 1;
+    }
+    if (j < 0 || j >= n) {
+        PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
+        return NULL;
+    }
+    PyObject *got = Py_NewRef(PyList_GET_ITEM(extra, j));
+    int r;
+    if (n == 2) { /* (the dict takes the other before it lets the list go) */
+        r = PyDict_SetItem(t->more, key, PyList_GET_ITEM(extra, 1 - j));
+    } else if (n == 1) {
+        r = PyDict_DelItem(t->more, key);
+    } else {
+        r = PyList_SetSlice(extra, j, j + 1, NULL);
+    }
+    if (r < 0) {
+        Py_DECREF(got);
+        return NULL;
+    }
+    return got;
 }
 
 /* ---- the event's bookkeeping (what AllocatorChecker / ShadowTable do in
@@ -635,14 +679,13 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
     if (sign > 0 && had == NULL) { /* _hold of an owner holding nothing */
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic's clock on Linux */
-        PyObject *when_items[2] = {
-            PyFloat_FromDouble((double)ts.tv_sec + (double)ts.tv_nsec * 1e-9),
-            PyLong_FromLong(step)};
-        PyObject *when = tuple_steal(2, when_items);
+        /* complex(time, step): one object, not tracked by gc (see
+         * ShadowTable.since) */
+        PyObject *when = PyComplex_FromDoubles(
+            (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9, (double)step);
         if (when == NULL) {
             return -1;
         }
-        PyObject_GC_UnTrack(when); /* a float and an int: as gc would on its next pass */
         int r = PyDict_SetItem(t->since, owner, when);
         Py_DECREF(when);
         if (r < 0) {
@@ -688,7 +731,7 @@ site_id(Table *t, PyObject *site)
     }
     if (sid != NULL) {
         long v = PyLong_AsLong(sid);
-        if (v >= 0 && v <= INT_MAX) {
+        if (v >= 0 && v <= USHRT_MAX) {
             return (int)v;
         }
         if (!PyErr_Occurred()) {
@@ -702,7 +745,7 @@ site_id(Table *t, PyObject *site)
     }
     long v = PyLong_AsLong(got);
     Py_DECREF(got);
-    if (v < 0 || v > INT_MAX) {
+    if (v < 0 || v > USHRT_MAX) {
         if (!PyErr_Occurred()) {
             PyErr_SetString(PyExc_ValueError, "kvsan._shadowfast: site id out of range");
         }
@@ -864,10 +907,11 @@ scratch_put(Table *t, void *p)
 }
 
 /* the arguments every event method takes: (blocks, owner, step, site), and a
- * scratch array for the block ids of the call (NULL with an exception) */
+ * scratch array of ``slots`` entries per block of the call (the block ids,
+ * then whatever else the event keeps per block), NULL with an exception */
 static Py_ssize_t *
 event_args(Table *t, const char *fn, PyObject *const *args, Py_ssize_t nargs,
-           PyObject **blocks, PyObject **owner, int *step, int *site)
+           PyObject **blocks, PyObject **owner, int *step, int *site, size_t slots)
 {
     if (!n_args(fn, nargs, 4) || !list_arg(fn, 1, args[0]) || !str_arg(fn, 2, args[1])
         || !int_arg(fn, 3, args[2], step) || !table_ok(t)) {
@@ -880,7 +924,7 @@ event_args(Table *t, const char *fn, PyObject *const *args, Py_ssize_t nargs,
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(*blocks);
-    return scratch_get(t, (size_t)k * sizeof(Py_ssize_t));
+    return scratch_get(t, (size_t)k * slots * sizeof(Py_ssize_t));
 }
 
 /* allocate(blocks, owner, step, site) -> list of evicted block ids, or None
@@ -891,7 +935,7 @@ Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *blocks, *owner;
     int step, site;
-    Py_ssize_t *ids = event_args(t, "allocate", args, nargs, &blocks, &owner, &step, &site);
+    Py_ssize_t *ids = event_args(t, "allocate", args, nargs, &blocks, &owner, &step, &site, 1);
     if (ids == NULL) {
         return NULL;
     }
@@ -956,7 +1000,7 @@ Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
         }
         nown[b] = 1;
         I32(t->acq_step)[b] = step;
-        I32(t->acq_site)[b] = site;
+        U16(t->acq_site)[b] = (unsigned short)site;
     }
     scratch_put(t, ids);
     Py_ssize_t ne = PyList_GET_SIZE(evicted);
@@ -982,11 +1026,13 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *blocks, *owner;
     int step, site;
-    Py_ssize_t *ids = event_args(t, "share", args, nargs, &blocks, &owner, &step, &site);
+    /* per block met: its id, and its place in ``blocks`` */
+    Py_ssize_t *ids = event_args(t, "share", args, nargs, &blocks, &owner, &step, &site, 2);
     if (ids == NULL) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
+    Py_ssize_t *at = ids + k;
     int *nown = NOWN(t);
     Py_ssize_t i, m = 0;
     int clean = 1;
@@ -1021,6 +1067,7 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         t->seen[b] = 1;
+        at[m] = i;
         ids[m++] = b;
     }
     for (i = 0; i < m; i++) {
@@ -1043,18 +1090,18 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 claimed++;
             }
         } else {
-            PyObject *key = PyLong_FromSsize_t(b);
+            /* keyed by the block's own id, an int the engine keeps for the
+             * pool's life: a new int per shared block cost 32 bytes */
+            PyObject *key = get_field(PyList_GET_ITEM(blocks, at[i]), A_BLOCK_ID);
             if (key == NULL) {
                 goto error_nomarks;
             }
             PyObject *extra = PyDict_GetItemWithError(t->more, key);
             int r;
-            if (extra != NULL) {
+            if (extra != NULL && PyList_CheckExact(extra)) {
                 r = PyList_Append(extra, owner);
-            } else if (PyErr_Occurred()) {
-                r = -1;
-            } else {
-                PyObject *lst = PyList_New(1);
+            } else if (extra != NULL) { /* a second further owner: a list of both */
+                PyObject *lst = PyList_New(2);
                 r = lst == NULL ? -1 : 0;
                 if (lst != NULL) {
                     /* a list of owner strs holds no container: it can be in
@@ -1062,10 +1109,15 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
                      * that live from a prefix hit to its release make the
                      * collector run (and walk them) every few steps */
                     PyObject_GC_UnTrack(lst);
-                    PyList_SET_ITEM(lst, 0, Py_NewRef(owner));
+                    PyList_SET_ITEM(lst, 0, Py_NewRef(extra));
+                    PyList_SET_ITEM(lst, 1, Py_NewRef(owner));
                     r = PyDict_SetItem(t->more, key, lst);
                     Py_DECREF(lst);
                 }
+            } else if (PyErr_Occurred()) {
+                r = -1;
+            } else {
+                r = PyDict_SetItem(t->more, key, owner);
             }
             Py_DECREF(key);
             if (r < 0) {
@@ -1077,7 +1129,7 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
             goto error_nomarks;
         }
         I32(t->acq_step)[b] = step;
-        I32(t->acq_site)[b] = site;
+        U16(t->acq_site)[b] = (unsigned short)site;
     }
     scratch_put(t, ids);
     if (bookkeep(t, K_SHARED, m, 0, owner, newly, -claimed, 1, step) < 0) {
@@ -1304,20 +1356,9 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
                     goto error_key;
                 }
             }
-            if (extra != NULL && PyList_GET_SIZE(extra) > 0) {
-                /* own0 = extra.pop() */
-                Py_ssize_t last = PyList_GET_SIZE(extra) - 1;
-                PyObject *next = Py_NewRef(PyList_GET_ITEM(extra, last));
-                int r = PyList_SetSlice(extra, last, last + 1, NULL);
-                if (r == 0) {
-                    r = PyList_SetItem(t->own0, b, next);
-                } else {
-                    Py_DECREF(next);
-                }
-                if (r == 0 && PyList_GET_SIZE(extra) == 0) {
-                    r = PyDict_DelItem(t->more, key);
-                }
-                if (r < 0) {
+            if (extra != NULL) { /* own0 = the last further owner */
+                PyObject *next = pop_extra(t, key, extra, -1);
+                if (next == NULL || PyList_SetItem(t->own0, b, next) < 0) {
                     goto error_key;
                 }
             } else {
@@ -1330,26 +1371,22 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
                 }
             }
         } else {
-            /* extra.remove(owner), at the index owns() found: only this
-             * block's entry changes the list, and each block is met once */
-            Py_ssize_t j = pos[i];
-            if (j < 0 || j >= PyList_GET_SIZE(extra)
-                || PyList_SetSlice(extra, j, j + 1, NULL) < 0) {
+            /* the owner leaves more, at the index owns() found: only this
+             * block's entry changes it, and each block is met once */
+            key = PyLong_FromSsize_t(b);
+            PyObject *gone = key == NULL ? NULL
+                                         : pop_extra(t, key, extra, how[i] == 2 ? pos[i] : -1);
+            if (gone == NULL) {
                 goto vanished;
             }
-            if (PyList_GET_SIZE(extra) == 0) {
-                key = PyLong_FromSsize_t(b);
-                if (key == NULL || PyDict_DelItem(t->more, key) < 0) {
-                    goto vanished;
-                }
-            }
+            Py_DECREF(gone);
         }
         nown[b] -= 1;
         if (set_list(t->rel_owner, b, owner) < 0) {
             goto error_key;
         }
         I32(t->rel_step)[b] = step;
-        I32(t->rel_site)[b] = site;
+        U16(t->rel_site)[b] = (unsigned short)site;
         if (freed_flag[i]) {
             if (key == NULL && (key = PyLong_FromSsize_t(b)) == NULL) {
                 goto error_freed;

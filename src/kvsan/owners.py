@@ -83,7 +83,7 @@ def orphan_blocks(shadow, refs, linked) -> list[int]:
     has ended with blocks held): milliseconds on a 1M-block pool."""
     import numpy as np
 
-    own0, more, ended, null = shadow.own0, shadow.more, shadow.ended, shadow.null
+    own0, ended, null = shadow.own0, shadow.ended, shadow.null
     n = shadow.num_blocks
     unlinked = ~np.asarray(linked, dtype=bool)[:n]
     nown = getattr(shadow, "nown", None)
@@ -95,7 +95,7 @@ def orphan_blocks(shadow, refs, linked) -> list[int]:
     if ended:
         dead = np.fromiter((o is not None and o in ended for o in own0), dtype=bool, count=n)
         for b in np.flatnonzero(dead & unlinked):
-            if all(x in ended for x in more.get(int(b), ())):
+            if all(x in ended for x in shadow.extras(int(b))):
                 candidates[b] = True
     for b in null:
         if 0 <= b < n:
@@ -115,6 +115,7 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
     cached_held: dict[str, int] = {}
     evictable: dict[str, int] = {}
     own0, more, cached = sh.own0, sh.more, sh.cached
+    extras = sh.extras
     for b in range(sh.num_blocks):
         if b in sh.null:
             continue
@@ -125,13 +126,13 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
                 if r is not None:
                     evictable[r] = evictable.get(r, 0) + 1
             continue
-        for x in (o, *more.get(b, ())):
+        for x in (o, *extras(b)) if b in more else (o,):
             live[x] = live.get(x, 0) + 1
             if cached[b]:
                 cached_held[x] = cached_held.get(x, 0) + 1
     rows = []
     for owner in set(live) | set(evictable):
-        since = sh.since.get(owner)
+        since = sh.since_of(owner)
         rows.append({
             "owner": owner,
             "state": state_of(owner, sched_requests, sh.ended, checker.recent_ends),

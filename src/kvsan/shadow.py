@@ -6,11 +6,13 @@ a non-request owner such as ``cow:<req>`` for copy-on-write retention,
 
 Layout is per-block arrays, not an object per block, so a 1M-block pool costs
 tens of bytes per block: the first owner of a block lives in ``own0``; the
-rare extra owners of a shared block live in ``more``; ``nown`` counts the
-owners of every block (a C int array, so the full audit compares it with the
-engine's counts as one vector).  Provenance of the last acquire and release is
-kept per block as (owner, step, interned call site).  About 53 bytes per block
-(8 own0, 4 nown, 1 cached, 8 hash reference, 2 x (8 + 4 + 4) provenance).
+extra owners of a shared block live in ``more`` (the one further owner
+itself, a list only from two on: most shared blocks have two owners, and a
+list and its item array cost 64 bytes more); ``nown`` counts the owners of
+every block (a C int array, so the full audit compares it with the engine's
+counts as one vector).  Provenance of the last acquire and release is kept
+per block as (owner, step, interned call site).  About 49 bytes per block (8
+own0, 4 nown, 1 cached, 8 hash reference, 2 x (8 + 4 + 2) provenance).
 """
 
 from __future__ import annotations
@@ -18,6 +20,10 @@ from __future__ import annotations
 from array import array
 from time import monotonic as _monotonic
 from typing import Iterable
+
+
+#: call sites interned per table (their ids are 2-byte array items)
+MAX_SITES = 1 << 16
 
 
 def _zero() -> int:
@@ -30,7 +36,8 @@ class ShadowTable:
         self.num_blocks = n
         self.null = frozenset(null_blocks)
         self.own0: list[str | None] = [None] * n
-        self.more: dict[int, list[str]] = {}
+        #: block -> its further owner (a str), or a list of them (two or more)
+        self.more: dict[int, str | list[str]] = {}
         #: number of owners of each block (1 + len(more[b]) when own0[b] is set)
         self.nown = array("i", bytes(4 * n))
         self.cached = bytearray(n)
@@ -38,10 +45,11 @@ class ShadowTable:
         self.hashes: list[bytes | None] = [None] * n
         self.acq_owner: list[str | None] = [None] * n
         self.acq_step = array("i", bytes(4 * n))
-        self.acq_site = array("i", bytes(4 * n))
+        #: interned call sites, 2 bytes each (:data:`MAX_SITES`)
+        self.acq_site = array("H", bytes(2 * n))
         self.rel_owner: list[str | None] = [None] * n
         self.rel_step = array("i", bytes(4 * n))
-        self.rel_site = array("i", bytes(4 * n))
+        self.rel_site = array("H", bytes(2 * n))
         self.sites: list[str] = ["?"]
         self._site_ids: dict[str, int] = {"?": 0}
         #: owner -> number of blocks it holds (only owners holding >= 1)
@@ -50,9 +58,11 @@ class ShadowTable:
         self.ended: dict[str, tuple[str, int]] = {}
         #: owners that are not requests (cow:, deferred:, pin:, anon:)
         self.nonrequest: set[str] = set()
-        #: owner -> (monotonic time, step) at which it went from holding
-        #: nothing to holding a block (``kvsan owners``: "for how long")
-        self.since: dict[str, tuple[float, int]] = {}
+        #: owner -> when it went from holding nothing to holding a block
+        #: (``kvsan owners``: "for how long"), as complex(monotonic time,
+        #: step): one 32-byte object per owner, where a tuple of a float and
+        #: an int took three (112 bytes).  Read through :meth:`since_of`.
+        self.since: dict[str, complex] = {}
         #: the step counter (set by the checker); read only for new owners
         self.clock = _zero
         self._n_owned = 0
@@ -86,21 +96,40 @@ class ShadowTable:
 
     # -- interning ----------------------------------------------------------
     def site_id(self, site: str | None) -> int:
+        """The interned id of call site ``site``; 0 ("?") once
+        :data:`MAX_SITES` are interned (sites are code locations: a few
+        hundred in a real engine)."""
         if not site:
             return 0
         sid = self._site_ids.get(site)
         if sid is None:
+            if len(self.sites) >= MAX_SITES:
+                return 0
             sid = self._site_ids[site] = len(self.sites)
             self.sites.append(site)
         return sid
 
+    def since_of(self, owner: str) -> tuple[float, int] | None:
+        """(monotonic time, step) at which ``owner`` began to hold blocks."""
+        when = self.since.get(owner)
+        return None if when is None else (when.real, int(when.imag))
+
     # -- owners -------------------------------------------------------------
+    def extras(self, b: int) -> list[str]:
+        """The owners of ``b`` after its first (``more``'s entry as a list)."""
+        extra = self.more.get(b)
+        if extra is None:
+            return []
+        return extra if type(extra) is list else [extra]
+
     def owners(self, b: int) -> list[str]:
         o = self.own0[b]
         if o is None:
             return []
         extra = self.more.get(b)
-        return [o, *extra] if extra else [o]
+        if extra is None:
+            return [o]
+        return [o, *extra] if type(extra) is list else [o, extra]
 
     def live_owners(self, b: int) -> list[str]:
         ended = self.ended
@@ -113,7 +142,33 @@ class ShadowTable:
         if self.own0[b] == owner:
             return True
         extra = self.more.get(b)
-        return bool(extra) and owner in extra
+        if extra is None:
+            return False
+        return owner in extra if type(extra) is list else extra == owner
+
+    def _add_extra(self, b: int, owner: str) -> None:
+        """``owner`` is one more owner of ``b``, whose first owner is set."""
+        more = self.more
+        extra = more.get(b)
+        if extra is None:
+            more[b] = owner
+        elif type(extra) is list:
+            extra.append(owner)
+        else:
+            more[b] = [extra, owner]
+
+    def _pop_extra(self, b: int, extra, at: int = -1) -> str:
+        """Take the owner at ``at`` out of ``extra``, ``b``'s entry in
+        ``more``; a list left with one owner becomes that owner."""
+        if type(extra) is not list:
+            del self.more[b]
+            return extra
+        got = extra.pop(at)
+        if len(extra) == 1:
+            self.more[b] = extra[0]
+        elif not extra:
+            del self.more[b]
+        return got
 
     def add_owner(self, b: int, owner: str) -> None:
         if self.own0[b] is None:
@@ -122,11 +177,7 @@ class ShadowTable:
             if self.cached[b]:
                 self._n_cached_free -= 1
         else:
-            extra = self.more.get(b)
-            if extra is None:
-                self.more[b] = [owner]
-            else:
-                extra.append(owner)
+            self._add_extra(b, owner)
         self.nown[b] += 1
         self._hold(owner, 1)
 
@@ -135,7 +186,7 @@ class ShadowTable:
         ``kvsan._shadowfast`` calls it by name for an owner's first reference."""
         had = self.held.get(owner, 0)
         if not had:
-            self.since[owner] = (_monotonic(), self.clock())
+            self.since[owner] = complex(_monotonic(), self.clock())
         self.held[owner] = had + n
 
     def _unhold(self, owner: str, n: int) -> None:
@@ -155,7 +206,7 @@ class ShadowTable:
         """``owner`` takes one reference on each of ``blocks``, with
         provenance: :meth:`add_owner` + :meth:`note_acquire` per block, the
         owner's count updated once (the allocator hot path)."""
-        own0, more, nown, cached = self.own0, self.more, self.nown, self.cached
+        own0, nown, cached = self.own0, self.nown, self.cached
         acq_owner, acq_step, acq_site = self.acq_owner, self.acq_step, self.acq_site
         n = 0
         for b in blocks:
@@ -165,11 +216,7 @@ class ShadowTable:
                 if cached[b]:
                     self._n_cached_free -= 1
             else:
-                extra = more.get(b)
-                if extra is None:
-                    more[b] = [owner]
-                else:
-                    extra.append(owner)
+                self._add_extra(b, owner)
             nown[b] += 1
             acq_owner[b] = owner
             acq_step[b] = step
@@ -180,24 +227,25 @@ class ShadowTable:
 
     def remove_owner(self, b: int, owner: str) -> bool:
         """Drop one reference of ``owner`` on ``b``; False if it held none."""
+        extra = self.more.get(b)
         if self.own0[b] == owner:
-            extra = self.more.get(b)
-            if extra:
-                self.own0[b] = extra.pop()
-                if not extra:
-                    del self.more[b]
+            if extra is not None:
+                self.own0[b] = self._pop_extra(b, extra)
             else:
                 self.own0[b] = None
                 self._n_owned -= 1
                 if self.cached[b]:
                     self._n_cached_free += 1
-        else:
-            extra = self.more.get(b)
-            if not extra or owner not in extra:
+        elif extra is None:
+            return False
+        elif type(extra) is list:
+            if owner not in extra:
                 return False
-            extra.remove(owner)
-            if not extra:
-                del self.more[b]
+            self._pop_extra(b, extra, extra.index(owner))
+        elif extra == owner:
+            self._pop_extra(b, extra)
+        else:
+            return False
         self.nown[b] -= 1
         self._unhold(owner, 1)
         return True
@@ -212,7 +260,8 @@ class ShadowTable:
         """All blocks ``owner`` holds.  O(pool): used on violation paths and
         by on-demand queries only, never per step."""
         out = [b for b, o in enumerate(self.own0) if o == owner]
-        out += [b for b, extra in self.more.items() if owner in extra]
+        out += [b for b, extra in self.more.items()
+                if (owner in extra if type(extra) is list else extra == owner)]
         return sorted(out)
 
     # -- cache state --------------------------------------------------------
