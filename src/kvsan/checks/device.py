@@ -197,6 +197,9 @@ class DeviceChecker:
         #: whether a guard over a slot mapping in device memory is deferred
         #: (None: where the slot mapping is on a CUDA device)
         self._defer_guard = defer_guard
+        #: whether :meth:`_defer` may defer at all (a cache in host memory
+        #: never does, unless told to): read before calling it every step
+        self._may_defer = self._cuda if defer_guard is None else defer_guard
         #: host buffers the deferred slot mappings are copied into, by dtype
         self._slot_bufs: dict = {}
         #: the last guarded batch's request ids and their ints (reused while
@@ -823,7 +826,7 @@ class DeviceChecker:
                 ids = [i if i is not None else rint(r) for i, r in zip(ids, batch_rids)]
             self._last_batch = (list(batch_rids), ids)
         counts = tokens_per_req if type(tokens_per_req) is list else list(tokens_per_req)
-        if self._defer(slot_mapping, total, ids, counts):
+        if self._may_defer and self._defer(slot_mapping, total, ids, counts):
             return
         self._check_writes(slot_mapping, ids, counts, total)
 
@@ -878,6 +881,14 @@ class DeviceChecker:
                 n, dtype=dtype, pin_memory=torch.cuda.is_available())
         return buf[:total]
 
+    def guard_pending(self) -> bool:
+        """Whether a deferred write guard waits for :meth:`settle`."""
+        return self._pending_guard is not None
+
+    def sums_pending(self) -> bool:
+        """Whether checksums are still on their way from the device."""
+        return bool(self._pending_sums)
+
     def settle(self) -> None:
         """Check the deferred write guard now, if one is pending."""
         if self._pending_guard is not None:
@@ -907,7 +918,8 @@ class DeviceChecker:
             bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
         else:  # torch ops, on the tables' device (on a CPU device: the same memory)
             bad = self._bad_writes(slot_mapping[:total], ids, counts)
-        self.check_hits_written()
+        if self.step_hits:
+            self.check_hits_written()
         for b, w in bad:
             rid = self._int_rid[w]
             holders = self.holders.get(b, set())

@@ -215,7 +215,7 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
         news = cr.new_block_ids
         if news.count(None) != len(news):
             adds += [(rid, new[0], 0) for rid, new in zip(cr.req_ids, news) if new is not None]
-    hits, fresh = dc.add_step(adds)
+    hits, fresh = dc.add_step(adds) if adds else ((), ())
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
@@ -232,10 +232,13 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
             for _, blocks in payload.get("dropped", ()):
                 handed.update(blocks)
             dc.poison(layers, [b for b in payload["freed"] if b not in handed])
-        if not _has_connector():  # connector loads write without slot mappings
-            dc.note_hits(hits)
-            dc.verify_step(layers, [b for _, b in hits])
-            return
+        if hits:
+            if not _has_connector():  # connector loads write without slot mappings
+                dc.note_hits(hits)
+                dc.verify_step(layers, [b for _, b in hits])
+                return
+        elif dc.step_hits:  # noted in a step whose guard did not run: not this step's
+            dc.note_hits(())
     dc.verify_step(layers)
 
 
@@ -278,19 +281,23 @@ def _execute_model(wrapped, instance, args, kwargs):
     got = _dguard(rt, "execute_model.begin", _begin, rt, instance, so)
     ret = wrapped(*args, **kwargs)
     if got is not None:
+        dc = got[0]
         if ret is None:
             # vLLM 0.32 finishes the step in sample_tokens, where a drafter
             # (EAGLE, MTP, a draft model) writes its own layers' KV for this
             # step's slots: sealed now, a block's checksums would miss those
             # bytes (a false checksum_mismatch).  vLLM runs sample_tokens
             # before the next execute_model, so the step is sealed there
-            # (or at shutdown), with no hook of its own on the step's path
-            _unsealed[id(instance)] = (weakref.ref(instance), got[0], got[1])
+            # (or at shutdown), with no hook of its own on the step's path.
+            # Most steps cache no block: then there is nothing to seal.
+            if dc.pending_seal or dc.sums_pending():
+                _unsealed[id(instance)] = (weakref.ref(instance), dc, got[1])
             # the step's write guard is still reported in the step (on a GPU
             # its slot mapping's copy was queued before the forward)
-            _dguard(rt, "execute_model.guard", got[0].settle)
+            if dc.guard_pending():
+                _dguard(rt, "execute_model.guard", dc.settle)
         else:
-            _dguard(rt, "execute_model.seal", got[0].seal, got[1])
+            _dguard(rt, "execute_model.seal", dc.seal, got[1])
     return ret
 
 
