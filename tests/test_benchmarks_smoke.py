@@ -14,15 +14,14 @@ pytestmark = pytest.mark.engine
 
 def test_sched_lockstep_tiny():
     from benchmarks import sched
+    from kvsan import current_runtime
 
+    before = current_runtime()  # (another test module may have installed kvsan)
     res = sched.bench(sizes=(8,), steps=4, chunks=2)
     r = res[8]
     assert r["off_us"] > 0 and len(r["default"]) == 2 and len(r["strict"]) == 2
     assert "| 8 |" in sched.markdown(res)
-    # the switch leaves nothing installed behind
-    from kvsan import current_runtime
-
-    assert current_runtime() is None
+    assert current_runtime() is before  # the lanes install nothing here
 
 
 def test_events_tiny():
