@@ -41,7 +41,7 @@ def _table_state(ck) -> dict:
     n = sh.num_blocks
     return {
         "own0": list(sh.own0),
-        "more": {b: sh.extras(b) for b in sh.more},
+        "more": {b: list(v) if type(v) is list else v for b, v in sh.more.items()},  # as held
         "nown": list(sh.nown),
         "cached": bytes(sh.cached),
         "hashes": list(sh.hashes),
