@@ -43,9 +43,14 @@ def _model_config():
                        dtype="float32", seed=0, max_model_len=2048)
 
 
-def make_scheduler(n: int, num_blocks: int):
+def make_scheduler(n: int, num_blocks: int, async_scheduling: bool = False,
+                   max_num_batched_tokens: int | None = None):
+    """vLLM's real scheduler over a ``num_blocks`` pool for ``n`` running
+    requests; with ``async_scheduling``, its ``AsyncScheduler`` (what vLLM
+    runs wherever the executor supports it)."""
     import torch
     from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
@@ -53,18 +58,20 @@ def make_scheduler(n: int, num_blocks: int):
     global _MODEL
     if _MODEL is None:
         _MODEL = _model_config()
-    sched_cfg = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=max(2048, 8 * n),
+    sched_cfg = SchedulerConfig(max_num_seqs=n,
+                                max_num_batched_tokens=max_num_batched_tokens or max(2048, 8 * n),
                                 max_model_len=2048, is_encoder_decoder=False,
-                                enable_chunked_prefill=True)
+                                enable_chunked_prefill=True, async_scheduling=async_scheduling)
     cache_cfg = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
     vcfg = VllmConfig(scheduler_config=sched_cfg, model_config=_MODEL, cache_config=cache_cfg)
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
     cache_cfg.num_gpu_blocks = num_blocks
-    return Scheduler(vllm_config=vcfg, kv_cache_config=kv_cfg,
-                     structured_output_manager=StructuredOutputManager(vcfg),
-                     block_size=BLOCK, log_stats=False)
+    cls = AsyncScheduler if async_scheduling else Scheduler
+    return cls(vllm_config=vcfg, kv_cache_config=kv_cfg,
+               structured_output_manager=StructuredOutputManager(vcfg),
+               block_size=BLOCK, log_stats=False)
 
 
 _HASHER = None

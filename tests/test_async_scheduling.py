@@ -14,12 +14,16 @@ guard over the slots the step writes, sealing after it): legal traffic with
 prefix sharing, cancellations, eviction and preemption reports nothing,
 and a block freed under a running request is still reported at once."""
 
+import os
 import random
+import sys
 from collections import deque
 
 import pytest
 
 from conftest import only
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks
 
 pytestmark = pytest.mark.engine
 
@@ -27,31 +31,6 @@ BLOCK = 16
 #: blocks in the pool: about three per running request, so cached blocks are
 #: evicted and running requests preempted
 POOL = 20
-
-
-def async_scheduler(n: int, num_blocks: int):
-    """:func:`benchmarks.sched.make_scheduler`'s scheduler, asynchronous."""
-    import torch
-    from vllm.config import CacheConfig, SchedulerConfig, VllmConfig
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from benchmarks.sched import _model_config
-
-    sched_cfg = SchedulerConfig(max_num_seqs=n, max_num_batched_tokens=256, max_model_len=2048,
-                                is_encoder_decoder=False, enable_chunked_prefill=True,
-                                async_scheduling=True)
-    cache_cfg = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-    vcfg = VllmConfig(scheduler_config=sched_cfg, model_config=_model_config(),
-                      cache_config=cache_cfg)
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
-    kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                           kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])
-    cache_cfg.num_gpu_blocks = num_blocks
-    return AsyncScheduler(vllm_config=vcfg, kv_cache_config=kv_cfg,
-                          structured_output_manager=StructuredOutputManager(vcfg),
-                          block_size=BLOCK, log_stats=False)
 
 
 class WorkerView:
@@ -148,7 +127,9 @@ def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
 
     rt.clear()
     rt.journal.take()
-    sched = async_scheduler(8, POOL)
+    from benchmarks.sched import make_scheduler
+
+    sched = make_scheduler(8, POOL, async_scheduling=True, max_num_batched_tokens=256)
     worker = WorkerView(rt, POOL)
     traffic = Traffic(sched, seed, 12)
     queue: deque = deque()
