@@ -1091,12 +1091,21 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
             }
         } else {
             /* keyed by the block's own id, an int the engine keeps for the
-             * pool's life: a new int per shared block cost 32 bytes */
-            PyObject *key = get_field(PyList_GET_ITEM(blocks, at[i]), A_BLOCK_ID);
+             * pool's life: a new int per shared block cost 32 bytes (a new
+             * one only if the block no longer gives this id) */
+            PyObject *key = at[i] < PyList_GET_SIZE(blocks)
+                                ? get_field(PyList_GET_ITEM(blocks, at[i]), A_BLOCK_ID)
+                                : NULL;
+            if (key == NULL || !PyLong_CheckExact(key) || PyLong_AsSsize_t(key) != b) {
+                PyErr_Clear();
+                Py_XDECREF(key);
+                key = PyLong_FromSsize_t(b);
+            }
             if (key == NULL) {
                 goto error_nomarks;
             }
-            PyObject *extra = PyDict_GetItemWithError(t->more, key);
+            /* held across the allocation below (a collection may run) */
+            PyObject *extra = Py_XNewRef(PyDict_GetItemWithError(t->more, key));
             int r;
             if (extra != NULL && PyList_CheckExact(extra)) {
                 r = PyList_Append(extra, owner);
@@ -1119,6 +1128,7 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
             } else {
                 r = PyDict_SetItem(t->more, key, owner);
             }
+            Py_XDECREF(extra);
             Py_DECREF(key);
             if (r < 0) {
                 goto error_nomarks;
@@ -1254,9 +1264,9 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE;
     }
     /* per released block: its id, whether it goes back unhashed, how the
-     * owner held it (1 first owner, 2 in ``more``) and that ``more`` list
-     * (borrowed: only this block's entry changes it, and each block is
-     * met once) */
+     * owner held it (1 first owner, 2 in a ``more`` list, 3 ``more``'s one
+     * further owner) and that ``more`` entry (borrowed: only this block's
+     * entry changes it, and each block is met once) */
     Py_ssize_t n1 = k ? k : 1;
     Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (4 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
     if (ids == NULL) {

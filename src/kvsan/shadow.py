@@ -38,7 +38,7 @@ class ShadowTable:
         self.own0: list[str | None] = [None] * n
         #: block -> its further owner (a str), or a list of them (two or more)
         self.more: dict[int, str | list[str]] = {}
-        #: number of owners of each block (1 + len(more[b]) when own0[b] is set)
+        #: number of owners of each block (1 + len(extras(b)) when own0[b] is set)
         self.nown = array("i", bytes(4 * n))
         self.cached = bytearray(n)
         #: cache key of each cached block (a reference to the engine's key)
