@@ -24,6 +24,7 @@ runner takes), in three parts:
    at the copy bandwidth measured in the same run).
 
     python -m benchmarks.cuda_device [--out FILE] [--profile | --profile-only]
+    python -m benchmarks.cuda_device --host   # part 3's traffic in host memory, no GPU
 
 Results of the eighth session's H200 run: ``benchmarks/cuda_device_h200.json``.
 """
@@ -363,6 +364,47 @@ def profile(steps: int = 100) -> str:
     return buf.getvalue() + "\nkernel rate: " + json.dumps(kernel_rate(layers))
 
 
+def host(steps: int = 300, warm: int = 80) -> dict:
+    """The serving traffic of :func:`cost` with the cache and the tables in
+    host memory (runs without a GPU; small layers, so the checksums cost
+    little): kvsan's median time per step, then each checker call's mean
+    time per step (timed per call, over as many further steps), per
+    setting.  What the worker view's per-request bookkeeping costs at 256
+    live requests, on the host that runs it."""
+    import statistics
+
+    calls = ("uncache", "add_step", "note_hits", "verify_step", "guard", "will_seal", "seal",
+             "drop_request")
+    out = {}
+    for name, kw in SETTINGS.items():
+        layers = [torch.zeros((8192, 2, 1, 1, 16)) for _ in range(2)]
+        found: list = []
+        dc = DeviceChecker(8192, 16, emit=found.append, device="cpu", **kw)
+        work = Serving(dc, layers)
+        for _ in range(warm):
+            work.step()
+        per_step = []
+        for _ in range(steps):
+            work.step()
+            per_step.append(work.kvsan_s)
+        spent = collections.Counter()
+        for call in calls:  # timed per instance, the class untouched
+            def timed(*a, _f=getattr(dc, call), _c=call):
+                t0 = time.perf_counter()
+                try:
+                    return _f(*a)
+                finally:
+                    spent[_c] += time.perf_counter() - t0
+            setattr(dc, call, timed)
+        for _ in range(steps):
+            work.step()
+        out[name] = {"us_per_step_median": round(statistics.median(per_step) * 1e6, 1),
+                     "us_per_step_by_call": {c: round(spent[c] / steps * 1e6, 1)
+                                             for c, _ in spent.most_common()},
+                     "violations": len(found)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", help="write the results here as JSON")
@@ -370,7 +412,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="also profile the default setting and time the checksum kernel")
     ap.add_argument("--profile-only", action="store_true", help="only that")
+    ap.add_argument("--host", action="store_true",
+                    help="only the serving traffic with the cache in host memory (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.host:
+        print(json.dumps(host(args.steps), indent=1))
+        return 0
     if not torch.cuda.is_available():
         print("benchmarks.cuda_device needs a CUDA device; torch sees none", file=sys.stderr)
         return 2

@@ -97,3 +97,14 @@ def test_lanes_step_processes_in_turn_and_name_a_failed_lane():
     broken = "from benchmarks import lanes\nraise SystemExit('lane setup failed')\n"
     with pytest.raises(RuntimeError, match="(?s)lane bad exited.*lane setup failed"):
         lanes.run({"ok": (code, {}), "bad": (broken, {})})
+
+
+def test_cuda_device_host_tiny():
+    """``benchmarks.cuda_device --host``: the serving traffic without a GPU."""
+    from benchmarks import cuda_device
+
+    res = cuda_device.host(steps=3, warm=2)
+    assert set(res) == set(cuda_device.SETTINGS)
+    for r in res.values():
+        assert r["us_per_step_median"] > 0 and r["violations"] == 0
+        assert {"add_step", "guard", "seal"} <= set(r["us_per_step_by_call"])
