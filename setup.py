@@ -12,12 +12,16 @@ Python), kvsan runs its pure-Python paths, which give the same results.
 
 from setuptools import Extension, setup
 
+#: the C functions _frames and _shadowfast export to _hookfast (see the header)
+CAPI = ["src/kvsan/_capi.h"]
+
 setup(
     ext_modules=[
-        Extension("kvsan._frames", ["src/kvsan/_frames.c"], optional=True),
-        Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], optional=True),
+        Extension("kvsan._frames", ["src/kvsan/_frames.c"], depends=CAPI, optional=True),
+        Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], depends=CAPI,
+                  optional=True),
         Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], optional=True),
         Extension("kvsan._devicefast", ["src/kvsan/_devicefast.c"], optional=True),
-        Extension("kvsan._hookfast", ["src/kvsan/_hookfast.c"], optional=True),
+        Extension("kvsan._hookfast", ["src/kvsan/_hookfast.c"], depends=CAPI, optional=True),
     ],
 )

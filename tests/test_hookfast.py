@@ -34,7 +34,11 @@ def test_native_hooks_are_installed(rt):
 
     from kvsan import _hookfast, hooks
 
-    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 6
+    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 7
+    # the call context and the events go to the C functions of _frames and
+    # _shadowfast directly, not through their Python methods
+    direct = _hookfast.direct()
+    assert direct["frames"] and direct["shadow"], direct
     for attr in HOOKED:
         hook = BlockPool.__dict__[attr]
         assert hooks.native_hook(hook) is hook, attr

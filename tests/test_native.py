@@ -30,7 +30,7 @@ def test_speedups_are_built_and_in_use(rt):
     measure and test only the Python paths without noticing)."""
     from kvsan import _frames, _shadowfast, hooks
 
-    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 5
+    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 6
     assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
     m = make_manager(8)
     assert rt.checkers[m.block_pool].fast is not None
@@ -175,6 +175,28 @@ def test_native_and_python_paths_agree(rt, native_switch, seed, faults):
         assert fast["violations"], "the injected faults must be reported"
     else:
         assert fast["violations"] == [] and fast["audit"] == 0
+    rt.clear()
+
+
+@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
+def test_direct_c_calls_and_python_methods_agree(rt, native_switch, faults):
+    """_hookfast calls _frames' and _shadowfast's C functions directly (no
+    result objects; the journal filed in place); through their Python
+    methods it must come to the same table, journal and violations."""
+    from kvsan import _hookfast
+
+    assert native_switch(True)
+    try:
+        assert _hookfast.direct(True)["shadow"]
+        direct = _drive(rt, 1, faults)
+        assert not _hookfast.direct(False)["shadow"]
+        methods = _drive(rt, 1, faults)
+    finally:
+        _hookfast.direct(True)
+    for key in direct:
+        assert direct[key] == methods[key], key
+    assert direct["internal_errors"] == 0 and bool(direct["violations"]) == faults
     rt.clear()
 
 

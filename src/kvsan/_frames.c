@@ -18,6 +18,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_capi.h"
+
 #define KVSAN_FRAMES_ABI 1
 
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
@@ -266,14 +268,10 @@ configured(void)
  * calling Python frame (NULL: none).  Returns 1, 0 when the stack is not that
  * deep, -1 on error. */
 static int
-frame_at(PyObject *depth_obj, _PyInterpreterFrame **out)
+frame_at_depth(long depth, _PyInterpreterFrame **out)
 {
     *out = NULL;
     if (!configured()) {
-        return -1;
-    }
-    long depth = PyLong_AsLong(depth_obj);
-    if (depth == -1 && PyErr_Occurred()) {
         return -1;
     }
     PyThreadState *ts = PyThreadState_Get();
@@ -287,6 +285,53 @@ frame_at(PyObject *depth_obj, _PyInterpreterFrame **out)
     int err = 0;
     *out = engine_frame(f, &err);
     return err ? -1 : 1;
+}
+
+static int
+frame_at(PyObject *depth_obj, _PyInterpreterFrame **out)
+{
+    *out = NULL;
+    long depth = PyLong_AsLong(depth_obj);
+    if (depth == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    return frame_at_depth(depth, out);
+}
+
+/* (site, owner) of the engine frame at or above ``f``: new references */
+static int
+context_of(_PyInterpreterFrame *f, PyObject *ctx, PyObject **site_out, PyObject **owner_out)
+{
+    PyObject *site = site_of(f);
+    if (site == NULL) {
+        return -1;
+    }
+    PyObject *owner;
+    if (PyList_Check(ctx) && PyList_GET_SIZE(ctx) > 0) {
+        PyObject *top = PyList_GET_ITEM(ctx, PyList_GET_SIZE(ctx) - 1);
+        owner = PySequence_GetItem(top, 0);
+    } else {
+        owner = owner_of(f);
+    }
+    if (owner == NULL) {
+        Py_DECREF(site);
+        return -1;
+    }
+    *site_out = site;
+    *owner_out = owner;
+    return 1;
+}
+
+/* the capsule's context(): the engine frame that called the running C function */
+static int
+capi_context(PyObject *ctx, PyObject **site, PyObject **owner)
+{
+    _PyInterpreterFrame *f;
+    int got = frame_at_depth(0, &f);
+    if (got <= 0) {
+        return got;
+    }
+    return context_of(f, ctx, site, owner);
 }
 
 static PyObject *
@@ -304,20 +349,8 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (got == 0) {
         Py_RETURN_NONE; /* the caller falls back (stack shallower than depth) */
     }
-    PyObject *site = site_of(f);
-    if (site == NULL) {
-        return NULL;
-    }
-    PyObject *owner;
-    PyObject *ctx = args[1];
-    if (PyList_Check(ctx) && PyList_GET_SIZE(ctx) > 0) {
-        PyObject *top = PyList_GET_ITEM(ctx, PyList_GET_SIZE(ctx) - 1);
-        owner = PySequence_GetItem(top, 0);
-    } else {
-        owner = owner_of(f);
-    }
-    if (owner == NULL) {
-        Py_DECREF(site);
+    PyObject *site, *owner;
+    if (context_of(f, args[1], &site, &owner) < 0) {
         return NULL;
     }
     PyObject *out = PyTuple_New(2);
@@ -408,5 +441,14 @@ PyInit__frames(void)
         Py_DECREF(m);
         return NULL;
     }
+#ifdef KVSAN_HAVE_FRAMES
+    static KvsanFramesAPI api = {KVSAN_CAPI_ABI, capi_context};
+    PyObject *cap = PyCapsule_New(&api, KVSAN_FRAMES_CAPSULE, NULL);
+    if (cap == NULL || PyModule_AddObject(m, "_C_API", cap) < 0) {
+        Py_XDECREF(cap);
+        Py_DECREF(m);
+        return NULL;
+    }
+#endif
     return m;
 }

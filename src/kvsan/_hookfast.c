@@ -42,7 +42,9 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 6
+#define KVSAN_HOOKFAST_ABI 7
+
+#include "_capi.h"
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
        K_SKIP = 6, K_N = 7 };
@@ -53,6 +55,11 @@ static PyObject *context_fn = NULL; /* kvsan._frames.context(depth, owner_ctx) *
 static PyObject *checker_fn = NULL; /* (pool) -> (runtime, checker or None) */
 static PyObject *error_fn = NULL;   /* (runtime, where, exception): may raise */
 static int enabled = 0;             /* enable(): off sends every call to ``slow`` */
+
+/* kvsan._frames' and kvsan._shadowfast's C functions (see _capi.h), or NULL:
+ * then their Python methods */
+static const KvsanFramesAPI *fapi = NULL;
+static const KvsanShadowAPI *sapi = NULL;
 
 /* one-entry cache of checker_fn: the runtime, a weak reference to the pool
  * and its checker (whose ``fast`` table is read on every call: it may be
@@ -85,12 +92,67 @@ typedef struct {
     double observe_seconds;      /* and the time they took */
 } Hook;
 
+/* kvsan's own time per hook call, read twice or four times a call: through
+ * the vDSO a CLOCK_MONOTONIC read costs about 24 ns here, the time-stamp
+ * counter about 9 ns (a 4-block touch: vLLM's own work is 190 ns).  The
+ * counter is used where Linux itself keeps time with it (its clock source
+ * is ``tsc``: invariant and synchronised across CPUs), scaled to seconds by
+ * a calibration against CLOCK_MONOTONIC at configure(); elsewhere the clock. */
+#if defined(__x86_64__)
+#include <x86intrin.h>
+#define HAVE_TSC 1
+#endif
+
+static double tsc_seconds = 0.0; /* seconds per counter tick; 0: the clock */
+
 static inline double
-now(void)
+clock_now(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* time.perf_counter's clock on Linux */
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+static inline double
+now(void)
+{
+#ifdef HAVE_TSC
+    if (tsc_seconds > 0.0) {
+        return (double)__rdtsc() * tsc_seconds;
+    }
+#endif
+    return clock_now();
+}
+
+/* tsc_seconds, where the kernel's clock source is the counter: its ticks
+ * over 2 ms of CLOCK_MONOTONIC (once per process) */
+static void
+calibrate(void)
+{
+#ifdef HAVE_TSC
+    if (tsc_seconds > 0.0) {
+        return;
+    }
+    char src[32] = {0};
+    FILE *f = fopen("/sys/devices/system/clocksource/clocksource0/current_clocksource", "r");
+    if (f == NULL) {
+        return;
+    }
+    size_t n = fread(src, 1, sizeof(src) - 1, f);
+    fclose(f);
+    if (n < 3 || strncmp(src, "tsc", 3) != 0 || (src[3] != '\n' && src[3] != '\0')) {
+        return;
+    }
+    double c0 = clock_now(), c1;
+    unsigned long long t0 = __rdtsc(), t1;
+    do {
+        c1 = clock_now();
+        t1 = __rdtsc();
+    } while (c1 - c0 < 2e-3);
+    if (t1 > t0) {
+        tsc_seconds = (c1 - c0) / (double)(t1 - t0);
+    }
+#endif
 }
 
 /* kvsan's own time in these hooks is kept here and added to the runtime's
@@ -137,7 +199,9 @@ add_overhead(PyObject *rt, double dt)
             return -1;
         }
     }
-    ov_pending += dt;
+    if (dt > 0.0) { /* (never less: the counter is synchronised across CPUs) */
+        ov_pending += dt;
+    }
     return 0;
 }
 
@@ -216,33 +280,79 @@ lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
     return 1;
 }
 
-/* new reference: (site, owner) of the engine call being observed */
+/* one-entry cache of the runtime's ``owner_ctx`` list and step ``journal``,
+ * read on every event: a Runtime never rebinds either (kvsan.runtime) */
+static PyObject *r_rt = NULL, *r_ctx = NULL, *r_journal = NULL;
+
+/* rt.owner_ctx (``which`` 0) or rt.journal (1), a new reference */
 static PyObject *
-context(PyObject *rt)
+rt_part(PyObject *rt, int which)
 {
-    PyObject *ctx = PyObject_GetAttr(rt, s_owner_ctx);
+    if (r_rt != rt) {
+        PyObject *ctx = PyObject_GetAttr(rt, s_owner_ctx);
+        PyObject *journal = ctx == NULL ? NULL : PyObject_GetAttr(rt, s_journal);
+        if (journal == NULL) {
+            Py_XDECREF(ctx);
+            return NULL;
+        }
+        Py_XSETREF(r_ctx, ctx);
+        Py_XSETREF(r_journal, journal);
+        Py_XSETREF(r_rt, Py_NewRef(rt));
+    }
+    return Py_NewRef(which ? r_journal : r_ctx);
+}
+
+/* the site and owner of the engine call being observed, as new references
+ * in *site and *owner; -1 with an exception */
+static int
+context(PyObject *rt, PyObject **site, PyObject **owner)
+{
+    PyObject *ctx = rt_part(rt, 0);
     if (ctx == NULL) {
-        return NULL;
+        return -1;
     }
     /* depth 0: the calling Python frame is the engine's (or a kvsan hook's,
      * which the reader skips) */
-    PyObject *argv[2] = {zero, ctx};
-    PyObject *got = PyObject_Vectorcall(context_fn, argv, 2, NULL);
-    Py_DECREF(ctx);
-    if (got == NULL || got != Py_None) {
-        if (got != NULL && (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 2)) {
-            Py_DECREF(got);
+    int got;
+    if (fapi != NULL) {
+        got = fapi->context(ctx, site, owner);
+    } else {
+        PyObject *argv[2] = {zero, ctx};
+        PyObject *pair = PyObject_Vectorcall(context_fn, argv, 2, NULL);
+        got = pair == NULL ? -1 : pair == Py_None ? 0 : 1;
+        if (got == 1 && (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)) {
             PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: context() returned no pair");
-            return NULL;
+            got = -1;
+        } else if (got == 1) {
+            *site = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
+            *owner = Py_NewRef(PyTuple_GET_ITEM(pair, 1));
         }
-        return got;
+        Py_XDECREF(pair);
     }
-    Py_DECREF(got); /* no Python frame at all: as kvsan.hooks.vllm_allocator._context */
-    PyObject *owner = PyObject_CallMethodNoArgs(rt, s_current_owner);
-    if (owner == NULL) {
+    Py_DECREF(ctx);
+    if (got != 0) {
+        return got < 0 ? -1 : 0;
+    }
+    /* no Python frame at all: as kvsan.hooks.vllm_allocator._context */
+    *owner = PyObject_CallMethodNoArgs(rt, s_current_owner);
+    if (*owner == NULL) {
+        return -1;
+    }
+    *site = Py_NewRef(s_unknown);
+    return 0;
+}
+
+/* new reference: rt.journal.<name>, the step journal's list ``name`` */
+static PyObject *
+journal_list(PyObject *rt, PyObject *name)
+{
+    PyObject *journal = rt_part(rt, 1);
+    if (journal == NULL) {
         return NULL;
     }
-    return Py_BuildValue("(ON)", s_unknown, owner);
+    PyObject *list = PyObject_GetAttr(journal, name);
+    Py_DECREF(journal);
+    return list;
 }
 
 /* rt.journal.<name>.extend(items) when items is a non-empty list */
@@ -252,12 +362,7 @@ journal_extend(PyObject *rt, PyObject *name, PyObject *items)
     if (!PyList_Check(items) || PyList_GET_SIZE(items) == 0) {
         return 0;
     }
-    PyObject *journal = PyObject_GetAttr(rt, s_journal);
-    if (journal == NULL) {
-        return -1;
-    }
-    PyObject *list = PyObject_GetAttr(journal, name);
-    Py_DECREF(journal);
+    PyObject *list = journal_list(rt, name);
     if (list == NULL) {
         return -1;
     }
@@ -273,25 +378,72 @@ journal_extend(PyObject *rt, PyObject *name, PyObject *items)
     return r;
 }
 
-/* fast.<method>(blocks, owner, rt.step, site) */
-static PyObject *
-event(PyObject *fast, PyObject *method, PyObject *rt, PyObject *blocks, PyObject *extra,
-      PyObject *owner, PyObject *site)
+/* the event of a hook's kind through the pool's table: 1 clean (applied,
+ * its block ids filed in the step journal), 0 not clean (nothing changed),
+ * -1 error.  ``blocks``: what the event is about (for CACHE, the blocks
+ * given a key); ``snap``: RELEASE's snapshot.  Through the table's C
+ * functions where it is _shadowfast's own table, else its Python methods
+ * (tests swap in others). */
+static int
+apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *snap,
+            PyObject *owner, PyObject *site)
 {
-    PyObject *step = PyObject_GetAttr(rt, s_step);
-    if (step == NULL) {
-        return NULL;
+    static PyObject **const journal_of[] = {&s_uncached, NULL, &s_freed, &s_cached};
+    static PyObject **const method_of[] = {&s_allocate, &s_share, &s_release, &s_cache};
+    PyObject *step = NULL, *dest = NULL, *res = NULL;
+    if (kind != K_CACHE && (step = PyObject_GetAttr(rt, s_step)) == NULL) {
+        return -1;
     }
-    PyObject *res;
-    if (extra == NULL) {
-        PyObject *argv[5] = {fast, blocks, owner, step, site};
-        res = PyObject_VectorcallMethod(method, argv, 5 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    PyObject *argv[6] = {fast, blocks, owner, step, site, NULL};
+    if (kind == K_RELEASE) {
+        PyObject *a[6] = {fast, blocks, snap, owner, step, site};
+        memcpy(argv, a, sizeof(a));
+    }
+    Py_ssize_t n = kind == K_RELEASE ? 5 : kind == K_CACHE ? 1 : 4;
+    int direct = sapi != NULL && Py_TYPE(fast) == sapi->table_type;
+    if (direct && journal_of[kind] != NULL) {
+        if ((dest = journal_list(rt, *journal_of[kind])) == NULL) {
+            Py_XDECREF(step);
+            return -1;
+        }
+        if (!PyList_CheckExact(dest)) { /* another kind of list: its own extend() */
+            Py_CLEAR(dest);
+            direct = 0;
+        }
+    }
+    if (!direct) {
+        res = PyObject_VectorcallMethod(*method_of[kind], argv,
+                                        (size_t)(n + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    } else if (kind == K_ALLOCATE) {
+        res = sapi->allocate(fast, argv + 1, n, dest);
+    } else if (kind == K_TOUCH) {
+        res = sapi->share(fast, argv + 1, n);
+    } else if (kind == K_RELEASE) {
+        res = sapi->release(fast, argv + 1, n, dest);
     } else {
-        PyObject *argv[6] = {fast, blocks, extra, owner, step, site};
-        res = PyObject_VectorcallMethod(method, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        res = sapi->cache(fast, blocks, dest);
     }
-    Py_DECREF(step);
-    return res;
+    Py_XDECREF(step);
+    Py_XDECREF(dest);
+    if (res == NULL) {
+        return -1;
+    }
+    int clean = res != Py_None, r = 0;
+    if (clean && !direct && kind != K_TOUCH) { /* the journal from the method's result */
+        PyObject *ids = res;
+        if (kind != K_ALLOCATE) {
+            Py_ssize_t at = kind == K_RELEASE ? 1 : 0;
+            if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) <= at) {
+                PyErr_Format(PyExc_TypeError, "kvsan._hookfast: %U() result", *method_of[kind]);
+                Py_DECREF(res);
+                return -1;
+            }
+            ids = PyTuple_GET_ITEM(res, at);
+        }
+        r = journal_extend(rt, *journal_of[kind], ids);
+    }
+    Py_DECREF(res);
+    return r < 0 ? -1 : clean;
 }
 
 /* the argument ``name`` (position ``pos``, counting the pool as 0) of a call,
@@ -863,7 +1015,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
         return r;
     }
 
-    PyObject *ret = NULL, *list = NULL, *snap = NULL, *ctx = NULL, *res = NULL;
+    PyObject *ret = NULL, *list = NULL, *snap = NULL, *site = NULL, *owner = NULL;
     PyObject *sliced = NULL;
     if (h->kind == K_RELEASE) {
         /* read once, as the Python hook does (list(args[0])), and pass the list on */
@@ -873,8 +1025,10 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
         }
         double t0 = now();
         PyObject *argv[3] = {fast, list, pool};
-        snap = PyObject_VectorcallMethod(s_snapshot, argv, 3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                         NULL);
+        snap = sapi != NULL && Py_TYPE(fast) == sapi->table_type
+                   ? sapi->snapshot(fast, argv + 1, 2)
+                   : PyObject_VectorcallMethod(s_snapshot, argv,
+                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
         if (snap == NULL) {
             PyErr_Clear(); /* the Python route meets (and guards) the same */
         }
@@ -899,53 +1053,21 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     }
 
     double t0 = now();
-    ctx = context(rt);
-    if (ctx == NULL) {
+    if (context(rt, &site, &owner) < 0) {
         goto fail;
     }
-    PyObject *site = PyTuple_GET_ITEM(ctx, 0), *owner = PyTuple_GET_ITEM(ctx, 1);
     int clean = 0;
     switch (h->kind) {
     case K_ALLOCATE:
         blocks = ret;
         if (owner != Py_None && PyList_CheckExact(ret)) {
-            res = event(fast, s_allocate, rt, ret, NULL, owner, site);
-            if (res == NULL) {
-                goto fail;
-            }
-            if (res != Py_None) {
-                clean = 1;
-                if (journal_extend(rt, s_uncached, res) < 0) {
-                    goto fail;
-                }
-            }
+            clean = apply_event(K_ALLOCATE, fast, rt, ret, NULL, owner, site);
         }
         break;
     case K_TOUCH:
-        if (owner != Py_None) {
-            res = event(fast, s_share, rt, blocks, NULL, owner, site);
-            if (res == NULL) {
-                goto fail;
-            }
-            clean = res != Py_None;
-        }
-        break;
     case K_RELEASE:
         if (owner != Py_None) {
-            res = event(fast, s_release, rt, blocks, snap, owner, site);
-            if (res == NULL) {
-                goto fail;
-            }
-            if (res != Py_None) {
-                clean = 1;
-                if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) < 2) {
-                    PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: release() result");
-                    goto fail;
-                }
-                if (journal_extend(rt, s_freed, PyTuple_GET_ITEM(res, 1)) < 0) {
-                    goto fail;
-                }
-            }
+            clean = apply_event(h->kind, fast, rt, blocks, snap, owner, site);
         }
         break;
     case K_CACHE: {
@@ -959,25 +1081,13 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             goto fail;
         }
         if (PyList_CheckExact(sliced)) {
-            PyObject *argv[2] = {fast, sliced};
-            res = PyObject_VectorcallMethod(s_cache, argv, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                            NULL);
-            if (res == NULL) {
-                goto fail;
-            }
-            if (res != Py_None) {
-                clean = 1;
-                if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) < 1) {
-                    PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: cache() result");
-                    goto fail;
-                }
-                if (journal_extend(rt, s_cached, PyTuple_GET_ITEM(res, 0)) < 0) {
-                    goto fail;
-                }
-            }
+            clean = apply_event(K_CACHE, fast, rt, sliced, NULL, NULL, NULL);
         }
         break;
     }
+    }
+    if (clean < 0) {
+        goto fail;
     }
     double dt = now() - t0;
     h->calls++;
@@ -1017,8 +1127,8 @@ observe:
     }
 done:
     Py_XDECREF(sliced);
-    Py_XDECREF(res);
-    Py_XDECREF(ctx);
+    Py_XDECREF(site);
+    Py_XDECREF(owner);
     Py_XDECREF(snap);
     Py_XDECREF(list);
     Py_DECREF(ck);
@@ -1245,6 +1355,22 @@ static PyTypeObject HookType = {
     .tp_dictoffset = offsetof(Hook, dict),
 };
 
+/* the C functions of _frames and _shadowfast, where they are there and of
+ * this ABI (else their Python methods: the same results) */
+static void
+import_capi(void)
+{
+    fapi = PyCapsule_Import(KVSAN_FRAMES_CAPSULE, 0);
+    if (fapi == NULL || fapi->abi != KVSAN_CAPI_ABI) {
+        fapi = NULL;
+    }
+    sapi = PyCapsule_Import(KVSAN_SHADOW_CAPSULE, 0);
+    if (sapi == NULL || sapi->abi != KVSAN_CAPI_ABI) {
+        sapi = NULL;
+    }
+    PyErr_Clear();
+}
+
 static PyObject *
 hookfast_configure(PyObject *self, PyObject *args)
 {
@@ -1261,6 +1387,8 @@ hookfast_configure(PyObject *self, PyObject *args)
     Py_XSETREF(context_fn, Py_NewRef(ctxf));
     Py_XSETREF(checker_fn, Py_NewRef(ckf));
     Py_XSETREF(error_fn, Py_NewRef(errf));
+    import_capi();
+    calibrate();
     enabled = 1;
     Py_RETURN_NONE;
 }
@@ -1276,6 +1404,9 @@ hookfast_enable(PyObject *self, PyObject *on)
     Py_CLEAR(c_rt); /* forget the cached checker: it may have been made otherwise */
     Py_CLEAR(c_pool_ref);
     Py_CLEAR(c_ck);
+    Py_CLEAR(r_rt);
+    Py_CLEAR(r_ctx);
+    Py_CLEAR(r_journal);
     return PyBool_FromLong(enabled);
 }
 
@@ -1288,7 +1419,35 @@ flush_overhead(PyObject *self, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+hookfast_direct(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 1) {
+        PyErr_SetString(PyExc_TypeError, "direct([on])");
+        return NULL;
+    }
+    if (nargs == 1 && args[0] != Py_None) { /* tests: both routes give the same */
+        int on = PyObject_IsTrue(args[0]);
+        if (on < 0) {
+            return NULL;
+        }
+        if (on) {
+            import_capi();
+        } else {
+            fapi = NULL;
+            sapi = NULL;
+        }
+    }
+    return Py_BuildValue("{s:O,s:O,s:O}", "frames", fapi != NULL ? Py_True : Py_False,
+                         "shadow", sapi != NULL ? Py_True : Py_False, "tsc",
+                         tsc_seconds > 0.0 ? Py_True : Py_False);
+}
+
 static PyMethodDef hookfast_methods[] = {
+    {"direct", (PyCFunction)(void (*)(void))hookfast_direct, METH_FASTCALL,
+     "direct([on]) -> {'frames': bool, 'shadow': bool, 'tsc': bool}: whether those modules' "
+     "C functions are called directly (else their Python methods; ``on`` switches), and "
+     "whether kvsan's own time is read from the time-stamp counter (else CLOCK_MONOTONIC)"},
     {"flush_overhead", flush_overhead, METH_NOARGS,
      "flush_overhead(): add kvsan's time in these hooks to its runtime's overhead_s"},
     {"configure", hookfast_configure, METH_VARARGS,

@@ -30,7 +30,9 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 5
+#define KVSAN_SHADOWFAST_ABI 6
+
+#include "_capi.h"
 
 #include <opcode.h>
 #include <structmember.h>
@@ -155,6 +157,8 @@ fail:
     return NULL;
 }
 
+#define SITE_CACHE 16 /* a power of two */
+
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n;
@@ -182,6 +186,10 @@ typedef struct {
     long long d_count[4], d_owned, d_cached_free;
     Py_ssize_t null_ids[4]; /* the null blocks (a pool has one) */
     int n_null;
+    /* in front of site_ids: the last call sites met, by address (a site is
+     * one str for the life of the process, and its id never changes) */
+    PyObject *site_key[SITE_CACHE];
+    int site_val[SITE_CACHE];
 } Table;
 
 static int
@@ -240,6 +248,9 @@ Table_clear(Table *self)
     Py_CLEAR(self->ended);
     Py_CLEAR(self->nonrequest);
     Py_CLEAR(self->site_ids);
+    for (int i = 0; i < SITE_CACHE; i++) {
+        Py_CLEAR(self->site_key[i]);
+    }
     return 0;
 }
 
@@ -307,6 +318,9 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
             return -1;
         }
         Py_XSETREF(*objs[i].slot, o);
+    }
+    for (int i = 0; i < SITE_CACHE; i++) { /* (site_ids may be another dict now) */
+        Py_CLEAR(self->site_key[i]);
     }
     Py_XSETREF(self->mism, Py_NewRef(mism));
     Py_XSETREF(self->sh, Py_NewRef(sh));
@@ -527,6 +541,9 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *
     if (r != 0) {
         return r;
     }
+    if (NOWN(t)[b] < 2) {
+        return 0; /* no further owner (nown counts the owners, own0 and more's) */
+    }
     PyObject *key = PyLong_FromSsize_t(b);
     if (key == NULL) {
         return -1;
@@ -724,6 +741,10 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
 static int
 site_id(Table *t, PyObject *site)
 {
+    size_t at = ((size_t)site >> 4) & (SITE_CACHE - 1);
+    if (t->site_key[at] == site) {
+        return t->site_val[at];
+    }
     PyObject *sid = PyUnicode_CheckExact(site) ? PyDict_GetItemWithError(t->site_ids, site)
                                                : NULL;
     if (sid == NULL && PyErr_Occurred()) {
@@ -732,6 +753,8 @@ site_id(Table *t, PyObject *site)
     if (sid != NULL) {
         long v = PyLong_AsLong(sid);
         if (v >= 0 && v <= USHRT_MAX) {
+            Py_XSETREF(t->site_key[at], Py_NewRef(site));
+            t->site_val[at] = (int)v;
             return (int)v;
         }
         if (!PyErr_Occurred()) {
@@ -931,8 +954,9 @@ event_args(Table *t, const char *fn, PyObject *const *args, Py_ssize_t nargs,
  * (not clean: run the Python checker).  Fresh blocks from the free queue:
  * each unowned in the table, engine count 1, met once. */
 static PyObject *
-Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
+allocate_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *dest)
 {
+    Table *t = (Table *)self;
     PyObject *blocks, *owner;
     int step, site;
     Py_ssize_t *ids = event_args(t, "allocate", args, nargs, &blocks, &owner, &step, &site, 1);
@@ -973,10 +997,12 @@ Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
         scratch_put(t, ids);
         Py_RETURN_NONE;
     }
-    PyObject *evicted = PyList_New(0);
+    /* the evicted ids: into ``dest`` (the C API), else the result */
+    PyObject *evicted = dest != NULL ? Py_NewRef(dest) : PyList_New(0);
     if (evicted == NULL) {
         goto error_nomarks;
     }
+    Py_ssize_t ne0 = PyList_GET_SIZE(evicted);
     unsigned char *cached = CACHED(t);
     for (i = 0; i < k; i++) {
         Py_ssize_t b = ids[i];
@@ -1003,10 +1029,14 @@ Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
         U16(t->acq_site)[b] = (unsigned short)site;
     }
     scratch_put(t, ids);
-    Py_ssize_t ne = PyList_GET_SIZE(evicted);
+    Py_ssize_t ne = PyList_GET_SIZE(evicted) - ne0;
     if (bookkeep(t, K_ALLOCATED, k, ne, owner, k, -ne, 1, step) < 0) {
         Py_DECREF(evicted);
         return NULL;
+    }
+    if (dest != NULL) {
+        Py_DECREF(evicted);
+        Py_RETURN_TRUE;
     }
     return evicted;
 error:
@@ -1022,7 +1052,14 @@ error_nomarks:
  * cached), or None.  Prefix hits: each non-null block met once, out of the
  * free queue, its engine count one more than its owners. */
 static PyObject *
-Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
+Table_allocate(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    return allocate_impl((PyObject *)t, args, nargs, NULL);
+}
+
+/* share(), the method (``lean`` 0) or the C API's (1: Py_True for a result) */
+static PyObject *
+share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
 {
     PyObject *blocks, *owner;
     int step, site;
@@ -1145,6 +1182,9 @@ Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
     if (bookkeep(t, K_SHARED, m, 0, owner, newly, -claimed, 1, step) < 0) {
         return NULL;
     }
+    if (lean) {
+        Py_RETURN_TRUE;
+    }
     PyObject *out[3] = {PyLong_FromSsize_t(m), PyLong_FromSsize_t(newly),
                         PyLong_FromSsize_t(claimed)};
     return tuple_steal(3, out);
@@ -1155,6 +1195,18 @@ error:
 error_nomarks:
     scratch_put(t, ids);
     return NULL;
+}
+
+static PyObject *
+Table_share(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    return share_impl(t, args, nargs, 0);
+}
+
+static PyObject *
+capi_share(PyObject *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    return share_impl((Table *)t, args, nargs, 1);
 }
 
 /* snapshot(blocks, pool) -> list of (ref << 1 | linked) per block, None for
@@ -1246,8 +1298,9 @@ Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
  * left equals the owners left, and a block back in the free queue was not
  * in it before and has no owner left. */
 static PyObject *
-Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
+release_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *dest)
 {
+    Table *t = (Table *)self;
     int step;
     if (!n_args("release", nargs, 5) || !list_arg("release", 1, args[0])
         || !list_arg("release", 2, args[1]) || !str_arg("release", 3, args[2])
@@ -1344,7 +1397,8 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         scratch_put(t, ids);
         Py_RETURN_NONE;
     }
-    PyObject *freed = PyList_New(0);
+    /* the freed ids: into ``dest`` (the C API), else the result */
+    PyObject *freed = dest != NULL ? Py_NewRef(dest) : PyList_New(0);
     if (freed == NULL) {
         scratch_put(t, ids);
         return NULL;
@@ -1356,7 +1410,7 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         PyObject *key = NULL; /* made when a dict or the freed list needs it */
         if (how[i] == 1) {
             extra = NULL;
-            if (PyDict_GET_SIZE(t->more)) {
+            if (nown[b] > 1) { /* it has further owners: one takes its place */
                 key = PyLong_FromSsize_t(b);
                 if (key == NULL) {
                     goto error_freed;
@@ -1420,6 +1474,10 @@ Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(freed);
         return NULL;
     }
+    if (dest != NULL) {
+        Py_DECREF(freed);
+        Py_RETURN_TRUE;
+    }
     PyObject *out[4] = {PyLong_FromSsize_t(m), freed, PyLong_FromSsize_t(unowned),
                         PyLong_FromSsize_t(unowned_cached)};
     return tuple_steal(4, out);
@@ -1435,11 +1493,18 @@ error:
     return NULL;
 }
 
+static PyObject *
+Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    return release_impl((PyObject *)t, args, nargs, NULL);
+}
+
 /* cache(blocks) -> (block ids given a cache key, of them unowned), or None.
  * Registers each non-null block whose key is set, as on_cached does. */
 static PyObject *
-Table_cache(Table *t, PyObject *arg)
+cache_impl(PyObject *self, PyObject *arg, PyObject *dest)
 {
+    Table *t = (Table *)self;
     if (!PyList_Check(arg)) {
         PyErr_SetString(PyExc_TypeError, "cache(list of blocks)");
         return NULL;
@@ -1460,7 +1525,8 @@ Table_cache(Table *t, PyObject *arg)
             Py_RETURN_NONE;
         }
     }
-    PyObject *ids = PyList_New(0);
+    /* the ids given a key: into ``dest`` (the C API), else the result */
+    PyObject *ids = dest != NULL ? Py_NewRef(dest) : PyList_New(0);
     if (ids == NULL) {
         return NULL;
     }
@@ -1511,11 +1577,27 @@ Table_cache(Table *t, PyObject *arg)
         }
     }
     t->d_cached_free += unowned; /* added to the shadow's total by settle() */
+    if (dest != NULL) {
+        Py_DECREF(ids);
+        Py_RETURN_TRUE;
+    }
     PyObject *out[2] = {ids, PyLong_FromSsize_t(unowned)};
     return tuple_steal(2, out);
 error:
     Py_DECREF(ids);
     return NULL;
+}
+
+static PyObject *
+Table_cache(Table *t, PyObject *arg)
+{
+    return cache_impl((PyObject *)t, arg, NULL);
+}
+
+static PyObject *
+capi_snapshot(PyObject *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    return Table_snapshot((Table *)t, args, nargs);
 }
 
 /* uncache(ids, blocks) -> the ids whose engine block (``blocks[id]``) has
@@ -2018,6 +2100,14 @@ PyInit__shadowfast(void)
     }
     if (PyModule_AddIntConstant(m, "ABI", KVSAN_SHADOWFAST_ABI) < 0
         || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    static KvsanShadowAPI api = {KVSAN_CAPI_ABI, &TableType, allocate_impl, capi_share,
+                                 release_impl, cache_impl, capi_snapshot};
+    PyObject *cap = PyCapsule_New(&api, KVSAN_SHADOW_CAPSULE, NULL);
+    if (cap == NULL || PyModule_AddObject(m, "_C_API", cap) < 0) {
+        Py_XDECREF(cap);
         Py_DECREF(m);
         return NULL;
     }
