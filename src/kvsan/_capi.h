@@ -14,7 +14,7 @@
 #ifndef KVSAN_CAPI_H
 #define KVSAN_CAPI_H
 
-#define KVSAN_CAPI_ABI 1
+#define KVSAN_CAPI_ABI 2
 
 typedef struct {
     int abi;
@@ -27,17 +27,19 @@ typedef struct {
 typedef struct {
     int abi;
     PyTypeObject *table_type; /* the functions below take a table of this type */
-    /* Table.allocate / share / release / cache with the same arguments,
-     * returning Py_True (new reference) where the method returns a result
-     * and None where it does (not clean).  The block ids the method returns
-     * for the step journal (evicted, freed, cached) are appended to
-     * ``dest`` (a list) instead. */
+    /* Table.allocate / share / release / cache, returning Py_True (a new
+     * reference) where the method returns a result and None where it does
+     * (not clean).  The block ids the method returns for the step journal
+     * (evicted, freed, cached) are appended to ``dest`` (a list) instead. */
     PyObject *(*allocate)(PyObject *t, PyObject *const *args, Py_ssize_t nargs, PyObject *dest);
     PyObject *(*share)(PyObject *t, PyObject *const *args, Py_ssize_t nargs);
-    PyObject *(*release)(PyObject *t, PyObject *const *args, Py_ssize_t nargs, PyObject *dest);
+    /* release: the snapshot as ``snapshot`` wrote it; args: owner, step, site */
+    PyObject *(*release)(PyObject *t, PyObject *blocks, const long long *snap,
+                         PyObject *const *args, PyObject *dest);
     PyObject *(*cache)(PyObject *t, PyObject *blocks, PyObject *dest);
-    /* Table.snapshot, as the method */
-    PyObject *(*snapshot)(PyObject *t, PyObject *const *args, Py_ssize_t nargs);
+    /* Table.snapshot into ``out`` (one entry per block: ref << 1 | linked,
+     * -1 for a null block): 1 done, 0 not simple (the method's None), -1 error */
+    int (*snapshot)(PyObject *t, PyObject *blocks, PyObject *pool, long long *out);
 } KvsanShadowAPI;
 
 #define KVSAN_FRAMES_CAPSULE "kvsan._frames._C_API"

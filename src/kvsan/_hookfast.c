@@ -378,6 +378,33 @@ journal_extend(PyObject *rt, PyObject *name, PyObject *items)
     return r;
 }
 
+/* RELEASE's snapshot as the list the Python methods take (*snap replaced),
+ * where the C function wrote it as an array */
+#define SNAP_ON_STACK 64
+
+static int
+snap_as_list(PyObject **snap, const long long *csnap, PyObject *blocks)
+{
+    if (csnap == NULL || *snap != Py_True) {
+        return 0; /* already the list */
+    }
+    Py_ssize_t k = PyList_GET_SIZE(blocks);
+    PyObject *out = PyList_New(k);
+    if (out == NULL) {
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *v = csnap[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(csnap[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return -1;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    Py_SETREF(*snap, out);
+    return 0;
+}
+
 /* the event of a hook's kind through the pool's table: 1 clean (applied,
  * its block ids filed in the step journal), 0 not clean (nothing changed),
  * -1 error.  ``blocks``: what the event is about (for CACHE, the blocks
@@ -385,8 +412,8 @@ journal_extend(PyObject *rt, PyObject *name, PyObject *items)
  * functions where it is _shadowfast's own table, else its Python methods
  * (tests swap in others). */
 static int
-apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *snap,
-            PyObject *owner, PyObject *site)
+apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject **snap,
+            const long long *csnap, PyObject *owner, PyObject *site)
 {
     static PyObject **const journal_of[] = {&s_uncached, NULL, &s_freed, &s_cached};
     static PyObject **const method_of[] = {&s_allocate, &s_share, &s_release, &s_cache};
@@ -394,13 +421,9 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
     if (kind != K_CACHE && (step = PyObject_GetAttr(rt, s_step)) == NULL) {
         return -1;
     }
-    PyObject *argv[6] = {fast, blocks, owner, step, site, NULL};
-    if (kind == K_RELEASE) {
-        PyObject *a[6] = {fast, blocks, snap, owner, step, site};
-        memcpy(argv, a, sizeof(a));
-    }
     Py_ssize_t n = kind == K_RELEASE ? 5 : kind == K_CACHE ? 1 : 4;
-    int direct = sapi != NULL && Py_TYPE(fast) == sapi->table_type;
+    int direct = sapi != NULL && Py_TYPE(fast) == sapi->table_type
+                 && (kind != K_RELEASE || csnap != NULL);
     if (direct && journal_of[kind] != NULL) {
         if ((dest = journal_list(rt, *journal_of[kind])) == NULL) {
             Py_XDECREF(step);
@@ -411,6 +434,15 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
             direct = 0;
         }
     }
+    if (!direct && kind == K_RELEASE && snap_as_list(snap, csnap, blocks) < 0) {
+        Py_XDECREF(step);
+        return -1;
+    }
+    PyObject *argv[6] = {fast, blocks, owner, step, site, NULL};
+    if (kind == K_RELEASE) {
+        PyObject *a[6] = {fast, blocks, *snap, owner, step, site};
+        memcpy(argv, a, sizeof(a));
+    }
     if (!direct) {
         res = PyObject_VectorcallMethod(*method_of[kind], argv,
                                         (size_t)(n + 1) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
@@ -419,7 +451,7 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
     } else if (kind == K_TOUCH) {
         res = sapi->share(fast, argv + 1, n);
     } else if (kind == K_RELEASE) {
-        res = sapi->release(fast, argv + 1, n, dest);
+        res = sapi->release(fast, blocks, csnap, argv + 3, dest);
     } else {
         res = sapi->cache(fast, blocks, dest);
     }
@@ -1017,6 +1049,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
 
     PyObject *ret = NULL, *list = NULL, *snap = NULL, *site = NULL, *owner = NULL;
     PyObject *sliced = NULL;
+    /* RELEASE's snapshot: from _shadowfast's C function an array (``snap``
+     * is then True until a Python method needs it as a list), else a list */
+    long long snap_stack[SNAP_ON_STACK], *csnap = NULL;
     if (h->kind == K_RELEASE) {
         /* read once, as the Python hook does (list(args[0])), and pass the list on */
         list = PySequence_List(args[1]);
@@ -1024,11 +1059,18 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             goto done; /* list() raised: so would the Python hook, before vLLM ran */
         }
         double t0 = now();
-        PyObject *argv[3] = {fast, list, pool};
-        snap = sapi != NULL && Py_TYPE(fast) == sapi->table_type
-                   ? sapi->snapshot(fast, argv + 1, 2)
-                   : PyObject_VectorcallMethod(s_snapshot, argv,
-                                               3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_ssize_t k = PyList_GET_SIZE(list);
+        if (sapi != NULL && Py_TYPE(fast) == sapi->table_type
+            && (csnap = k <= SNAP_ON_STACK ? snap_stack
+                                           : PyMem_Malloc((size_t)k * sizeof(long long)))
+                   != NULL) {
+            int r = sapi->snapshot(fast, list, pool, csnap);
+            snap = r > 0 ? Py_NewRef(Py_True) : r == 0 ? Py_NewRef(Py_None) : NULL;
+        } else {
+            PyObject *argv[3] = {fast, list, pool};
+            snap = PyObject_VectorcallMethod(s_snapshot, argv,
+                                             3 | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        }
         if (snap == NULL) {
             PyErr_Clear(); /* the Python route meets (and guards) the same */
         }
@@ -1061,13 +1103,13 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     case K_ALLOCATE:
         blocks = ret;
         if (owner != Py_None && PyList_CheckExact(ret)) {
-            clean = apply_event(K_ALLOCATE, fast, rt, ret, NULL, owner, site);
+            clean = apply_event(K_ALLOCATE, fast, rt, ret, NULL, NULL, owner, site);
         }
         break;
     case K_TOUCH:
     case K_RELEASE:
         if (owner != Py_None) {
-            clean = apply_event(h->kind, fast, rt, blocks, snap, owner, site);
+            clean = apply_event(h->kind, fast, rt, blocks, &snap, csnap, owner, site);
         }
         break;
     case K_CACHE: {
@@ -1081,7 +1123,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             goto fail;
         }
         if (PyList_CheckExact(sliced)) {
-            clean = apply_event(K_CACHE, fast, rt, sliced, NULL, NULL, NULL);
+            clean = apply_event(K_CACHE, fast, rt, sliced, NULL, NULL, NULL, NULL);
         }
         break;
     }
@@ -1098,6 +1140,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     if (!clean) { /* the Python hook's second half, with the context read here */
         PyObject *r;
         if (h->kind == K_RELEASE) {
+            if (snap_as_list(&snap, csnap, blocks) < 0) {
+                goto fail;
+            }
             PyObject *argv[7] = {rt, ck, pool, blocks, snap, site, owner};
             r = PyObject_Vectorcall(h->post, argv, 7, NULL);
         } else if (h->kind == K_CACHE) {
@@ -1130,6 +1175,9 @@ done:
     Py_XDECREF(site);
     Py_XDECREF(owner);
     Py_XDECREF(snap);
+    if (csnap != NULL && csnap != snap_stack) {
+        PyMem_Free(csnap);
+    }
     Py_XDECREF(list);
     Py_DECREF(ck);
     Py_DECREF(fast);

@@ -695,7 +695,15 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
     }
     if (sign > 0 && had == NULL) { /* _hold of an owner holding nothing */
         struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic's clock on Linux */
+        /* time.monotonic's clock on Linux, read at its last tick (a few ms:
+         * "held since" is reported in seconds; 3 ns a read instead of 24 on
+         * an owner's first reference, every prefix hit of a new request).
+         * Never later than time.monotonic(), so a time held is never < 0. */
+#ifdef CLOCK_MONOTONIC_COARSE
+        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+#else
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+#endif
         /* complex(time, step): one object, not tracked by gc (see
          * ShadowTable.since) */
         PyObject *when = PyComplex_FromDoubles(
@@ -1213,22 +1221,15 @@ capi_share(PyObject *t, PyObject *const *args, Py_ssize_t nargs)
  * a null block; or None when the call is not simple (a block of another
  * pool, a block met twice, a non-int count): the hook then reads the
  * blocks itself. */
-static PyObject *
-Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
+/* snapshot's work into ``out`` (k entries: ref << 1 | linked, -1 for a
+ * null block): 1 simple, 0 not (see snapshot), -1 error */
+static int
+snapshot_core(Table *t, PyObject *blocks, PyObject *pool, long long *out)
 {
-    if (!n_args("snapshot", nargs, 2) || !list_arg("snapshot", 1, args[0]) || !table_ok(t)) {
-        return NULL;
-    }
-    PyObject *blocks = args[0], *pool = args[1];
     Py_ssize_t k = PyList_GET_SIZE(blocks);
-    PyObject *out = PyList_New(k);
-    if (out == NULL) {
-        return NULL;
-    }
     Py_ssize_t *ids = scratch_get(t, (size_t)k * sizeof(Py_ssize_t));
     if (ids == NULL) {
-        Py_DECREF(out);
-        return NULL;
+        return -1;
     }
     Py_ssize_t i, m = 0;
     int clean = 1, err = 0;
@@ -1251,7 +1252,7 @@ Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
             break;
         }
         if (isnull) {
-            PyList_SET_ITEM(out, i, Py_NewRef(Py_None));
+            out[i] = -1;
             continue;
         }
         Py_ssize_t b, ref;
@@ -1265,30 +1266,67 @@ Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
             err = 1;
             break;
         }
-        if (!r || t->seen[b]) {
+        if (!r || t->seen[b] || ref < 0) {
             clean = 0;
-            break;
-        }
-        PyObject *v = PyLong_FromSsize_t(ref * 2 + (unlinked ? 0 : 1));
-        if (v == NULL) {
-            err = 1;
             break;
         }
         t->seen[b] = 1;
         ids[m++] = b;
-        PyList_SET_ITEM(out, i, v);
+        out[i] = (long long)ref * 2 + (unlinked ? 0 : 1);
     }
     for (Py_ssize_t j = 0; j < m; j++) {
         t->seen[ids[j]] = 0;
     }
     scratch_put(t, ids);
-    if (err || !clean) {
-        Py_DECREF(out); /* unset items are NULL: list dealloc skips them */
-        if (err) {
+    return err ? -1 : clean;
+}
+
+/* the C API's snapshot: into ``out``, k entries */
+static int
+capi_snapshot(PyObject *t, PyObject *blocks, PyObject *pool, long long *out)
+{
+    if (!PyList_Check(blocks) || !table_ok((Table *)t)) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_TypeError, "snapshot(list of blocks, pool)");
+        }
+        return -1;
+    }
+    return snapshot_core((Table *)t, blocks, pool, out);
+}
+
+/* snapshot's entries as the method's list (None for a null block) */
+static PyObject *
+snapshot_list(const long long *snap, Py_ssize_t k)
+{
+    PyObject *out = PyList_New(k);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *v = snap[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(snap[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
             return NULL;
         }
-        Py_RETURN_NONE;
+        PyList_SET_ITEM(out, i, v);
     }
+    return out;
+}
+
+static PyObject *
+Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (!n_args("snapshot", nargs, 2) || !list_arg("snapshot", 1, args[0]) || !table_ok(t)) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(args[0]);
+    long long *snap = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(long long));
+    if (snap == NULL) {
+        return PyErr_NoMemory();
+    }
+    int r = snapshot_core(t, args[0], args[1], snap);
+    PyObject *out = r < 0 ? NULL : r == 0 ? Py_NewRef(Py_None) : snapshot_list(snap, k);
+    PyMem_Free(snap);
     return out;
 }
 
@@ -1298,24 +1336,20 @@ Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t nargs)
  * left equals the owners left, and a block back in the free queue was not
  * in it before and has no owner left. */
 static PyObject *
-release_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *dest)
+release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const *args,
+             PyObject *dest)
 {
-    Table *t = (Table *)self;
     int step;
-    if (!n_args("release", nargs, 5) || !list_arg("release", 1, args[0])
-        || !list_arg("release", 2, args[1]) || !str_arg("release", 3, args[2])
-        || !int_arg("release", 4, args[3], &step) || !table_ok(t)) {
+    if (!str_arg("release", 3, args[0]) || !int_arg("release", 4, args[1], &step)
+        || !table_ok(t)) {
         return NULL;
     }
-    PyObject *blocks = args[0], *snap = args[1], *owner = args[2];
-    int site = site_id(t, args[4]);
+    PyObject *owner = args[0];
+    int site = site_id(t, args[2]);
     if (site == -1 && PyErr_Occurred()) {
         return NULL;
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
-    if (PyList_GET_SIZE(snap) != k) {
-        Py_RETURN_NONE;
-    }
     /* per released block: its id, whether it goes back unhashed, how the
      * owner held it (1 first owner, 2 in a ``more`` list, 3 ``more``'s one
      * further owner) and that ``more`` entry (borrowed: only this block's
@@ -1332,15 +1366,11 @@ release_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *
     Py_ssize_t i, m = 0;
     int clean = 1;
     for (i = 0; i < k; i++) {
-        PyObject *sv = PyList_GET_ITEM(snap, i);
-        if (sv == Py_None) {
-            continue;
+        if (snap[i] < 0) {
+            continue; /* a null block */
         }
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        Py_ssize_t b, ref, before = PyLong_AsSsize_t(sv);
-        if (before == -1 && PyErr_Occurred()) {
-            goto error;
-        }
+        Py_ssize_t b, ref, before = (Py_ssize_t)snap[i];
         int linked_before = (int)(before & 1);
         Py_ssize_t ref_before = (before - linked_before) / 2;
         int r = id_and_ref(t, blk, &b, &ref);
@@ -1493,10 +1523,50 @@ error:
     return NULL;
 }
 
+/* the C API's release: ``snap`` as snapshot_core made it, args (owner,
+ * step, site) */
+static PyObject *
+capi_release(PyObject *t, PyObject *blocks, const long long *snap, PyObject *const *args,
+             PyObject *dest)
+{
+    if (!PyList_Check(blocks)) {
+        PyErr_SetString(PyExc_TypeError, "release(list of blocks, ...)");
+        return NULL;
+    }
+    return release_core((Table *)t, blocks, snap, args, dest);
+}
+
 static PyObject *
 Table_release(Table *t, PyObject *const *args, Py_ssize_t nargs)
 {
-    return release_impl((PyObject *)t, args, nargs, NULL);
+    if (!n_args("release", nargs, 5) || !list_arg("release", 1, args[0])
+        || !list_arg("release", 2, args[1])) {
+        return NULL;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(args[0]);
+    if (PyList_GET_SIZE(args[1]) != k) {
+        Py_RETURN_NONE;
+    }
+    long long *snap = PyMem_Malloc((size_t)(k ? k : 1) * sizeof(long long));
+    if (snap == NULL) {
+        return PyErr_NoMemory();
+    }
+    int simple = 1;
+    for (Py_ssize_t i = 0; i < k; i++) { /* the snapshot's list: None or a count */
+        PyObject *sv = PyList_GET_ITEM(args[1], i);
+        long long v = sv == Py_None ? -1 : PyLong_AsLongLong(sv);
+        if (v == -1 && PyErr_Occurred()) {
+            PyMem_Free(snap);
+            return NULL;
+        }
+        if (v < 0 && sv != Py_None) {
+            simple = 0; /* not a snapshot's: the Python checker decides */
+        }
+        snap[i] = v;
+    }
+    PyObject *out = simple ? release_core(t, args[0], snap, args + 2, NULL) : Py_NewRef(Py_None);
+    PyMem_Free(snap);
+    return out;
 }
 
 /* cache(blocks) -> (block ids given a cache key, of them unowned), or None.
@@ -1594,11 +1664,7 @@ Table_cache(Table *t, PyObject *arg)
     return cache_impl((PyObject *)t, arg, NULL);
 }
 
-static PyObject *
-capi_snapshot(PyObject *t, PyObject *const *args, Py_ssize_t nargs)
-{
-    return Table_snapshot((Table *)t, args, nargs);
-}
+
 
 /* uncache(ids, blocks) -> the ids whose engine block (``blocks[id]``) has
  * no cache key, each dropped from the table's cache as
@@ -2104,7 +2170,7 @@ PyInit__shadowfast(void)
         return NULL;
     }
     static KvsanShadowAPI api = {KVSAN_CAPI_ABI, &TableType, allocate_impl, capi_share,
-                                 release_impl, cache_impl, capi_snapshot};
+                                 capi_release, cache_impl, capi_snapshot};
     PyObject *cap = PyCapsule_New(&api, KVSAN_SHADOW_CAPSULE, NULL);
     if (cap == NULL || PyModule_AddObject(m, "_C_API", cap) < 0) {
         Py_XDECREF(cap);
