@@ -913,7 +913,14 @@ class DeviceChecker:
 
     def _check_writes(self, slot_mapping: torch.Tensor, ids: list[int], counts: list[int],
                       total: int) -> None:
-        host = self._host_slots(slot_mapping, total) if self._fast is not None else None
+        if self._fast is None:
+            host = None
+        else:  # :meth:`_host_slots`, its kept view read inline (once per step)
+            last = self._slots_view
+            host = last[2]
+            if last[0] is not slot_mapping or host is None or len(host) < total \
+                    or last[1] != slot_mapping.data_ptr():
+                host = self._host_slots(slot_mapping, total)
         if host is not None:  # one C loop over host memory
             bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
         else:  # torch ops, on the tables' device (on a CPU device: the same memory)

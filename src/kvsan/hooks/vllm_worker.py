@@ -25,10 +25,11 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
+from time import perf_counter as _perf_counter
 
 from .. import runtime as _rt
 from ..checks.device import DeviceChecker
-from . import Target
+from . import Target, guard_failed
 from .vllm_allocator import _guard
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
@@ -62,7 +63,9 @@ def _layers(runner) -> list:
     ones stay alive: no id can be reused)."""
     caches = runner.kv_caches
     tensors = caches.values() if isinstance(caches, dict) else caches
-    cached = _cached(_LAST_LAYERS, _layer_views, runner)
+    ref = _LAST_LAYERS[0]  # (_cached, inline: this runs every step)
+    cached = _LAST_LAYERS[1] if ref is not None and ref() is runner \
+        else _cached(_LAST_LAYERS, _layer_views, runner)
     if cached is not None and len(cached[0]) == len(tensors) \
             and all(map(operator.is_, cached[0], tensors)):
         return cached[1]
@@ -165,9 +168,10 @@ def _begin(rt, runner, so):
     """The step's start, before the forward: the runner's checker and cache
     tensors (read once for both ends of the step), then :func:`begin_step`.
     Returns (checker, layers) for sealing after the forward, or None before
-    the KV cache is allocated.  One guarded call: between two forward
-    passes every Python frame and timer is a cache miss."""
-    dc = _device_checker(rt, runner)
+    the KV cache is allocated.  Between two forward passes every Python
+    frame is a cache miss: the checker's one-entry cache is read inline."""
+    ref = _LAST_CHECKER[0]
+    dc = _LAST_CHECKER[1] if ref is not None and ref() is runner else _device_checker(rt, runner)
     if dc is None:
         return None
     layers = _layers(runner)
@@ -272,13 +276,24 @@ def _seal_left(rt, runner) -> None:
 
 
 def _execute_model(wrapped, instance, args, kwargs):
-    rt = _rt.get()
+    rt = _rt._runtime
     if rt is None:
         return wrapped(*args, **kwargs)
     if _unsealed:
         _seal_left(rt, instance)
     so = args[0] if args else kwargs["scheduler_output"]
-    got = _dguard(rt, "execute_model.begin", _begin, rt, instance, so)
+    # guarded inline, as _dguard does (once per step: its two frames cost
+    # more than the check when the caches are cold)
+    t0 = _perf_counter()
+    try:
+        got = _begin(rt, instance, so)
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        got = None
+        guard_failed(rt, "execute_model.begin", e)  # a violation (raise / abort) propagates
+    finally:
+        dt = _perf_counter() - t0
+        rt.overhead_s += dt
+        rt.device_s += dt
     ret = wrapped(*args, **kwargs)
     if got is not None:
         dc = got[0]
@@ -290,11 +305,12 @@ def _execute_model(wrapped, instance, args, kwargs):
             # before the next execute_model, so the step is sealed there
             # (or at shutdown), with no hook of its own on the step's path.
             # Most steps cache no block: then there is nothing to seal.
-            if dc.pending_seal or dc.sums_pending():
+            # (sums_pending() and guard_pending(), read inline: every step)
+            if dc.pending_seal or dc._pending_sums:
                 _unsealed[id(instance)] = (weakref.ref(instance), dc, got[1])
             # the step's write guard is still reported in the step (on a GPU
             # its slot mapping's copy was queued before the forward)
-            if dc.guard_pending():
+            if dc._pending_guard is not None:
                 _dguard(rt, "execute_model.guard", dc.settle)
         else:
             _dguard(rt, "execute_model.seal", dc.seal, got[1])
@@ -308,22 +324,33 @@ def _ints(counts) -> list[int]:
 
 
 def _prepare_inputs(wrapped, instance, args, kwargs):
-    ret = wrapped(*args, **kwargs)
-    rt = _rt.get()
-    dc = _cached(_LAST_CHECKER, _checkers, instance) if rt is not None else None
-    if dc is not None:
-        _dguard(rt, "_prepare_inputs.guard", _guard_v1, dc, instance, args, kwargs)
-    return ret
-
-
-def _guard_v1(dc: DeviceChecker, runner, args, kwargs) -> None:
     """V1: the write guard on the slot mapping ``_prepare_inputs`` filled
-    for this step's batch (a module function, not a closure made per step)."""
-    num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
-    batch = runner.input_batch
-    n = batch.num_reqs
-    dc.guard(batch.block_table.block_tables[0].slot_mapping.gpu, batch.req_ids[:n],
-             _ints(num_sched[:n]))
+    for this step's batch.  Guarded and read inline (once per step, between
+    forward passes, where every Python frame is a cache miss)."""
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    if rt is None:
+        return ret
+    ref = _LAST_CHECKER[0]
+    dc = _LAST_CHECKER[1] if ref is not None and ref() is instance \
+        else _cached(_LAST_CHECKER, _checkers, instance)
+    if dc is None:
+        return ret
+    t0 = _perf_counter()
+    try:
+        num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
+        batch = instance.input_batch
+        n = batch.num_reqs
+        counts = num_sched[:n]
+        dc.guard(batch.block_table.block_tables[0].slot_mapping.gpu, batch.req_ids[:n],
+                 counts.tolist() if hasattr(counts, "tolist") else _ints(counts))
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        guard_failed(rt, "_prepare_inputs.guard", e)  # a violation (raise / abort) propagates
+    finally:
+        dt = _perf_counter() - t0
+        rt.overhead_s += dt
+        rt.device_s += dt
+    return ret
 
 
 def _prepare_attn_v2(wrapped, instance, args, kwargs):
