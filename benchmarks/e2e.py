@@ -4,12 +4,19 @@ preemption) on the real engine, kvsan off / default / strict, and vLLM with
 kvsan's plugin not loaded at all (``VLLM_PLUGINS=none``: KVSAN unset must
 cost nothing measurable against it).
 
-Side by side (:mod:`benchmarks.lanes`): one in-process-mode engine per
-setting, each in its own process booted as a user would boot it (the
-plugin reads ``KVSAN`` at start-up), stepped in turn in a new random order
-every turn, over several rounds of the workload.  Every lane sees the same
-machine at the same moments; booting them one after another instead left
-run-to-run drift on a shared 2-core host larger than kvsan's cost.
+Side by side (:mod:`benchmarks.lanes`): in-process-mode engines, each in
+its own process booted as a user would boot it (the plugin reads ``KVSAN``
+at start-up), stepped in turn in a new random order every turn, over
+several rounds of the workload.  Every lane sees the same machine at the
+same moments; booting them one after another instead left run-to-run drift
+on a shared 2-core host larger than kvsan's cost.  Each setting runs in
+``procs`` processes (default 2), pooled: two identical processes differ by
+up to 1.7% here (their memory layout), as much as kvsan's whole cost, and
+pooling halves what one process's layout adds to a setting.  Each setting
+is measured against its own off processes, four lanes at a time: every
+lane a process steps in turn leaves the next one colder caches (8 lanes
+made the off step 2.2 ms against 1.55 ms with 4), which is not how an
+engine runs, alone on its host.
 
 Reported per model: throughput (tokens per CPU-second of the lane's steps)
 and per-step latency (median CPU time of one traffic step), as ratios to
@@ -114,7 +121,7 @@ LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
 
 
 def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, seed: int = 0,
-          absent: bool = True) -> dict:
+          absent: bool = True, procs: int = 2) -> dict:
     from . import lanes
 
     if models is None:
@@ -123,52 +130,74 @@ def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, see
         models = {"tiny (2x256)": ensure_tiny_model(), "medium (4x512)": ensure_medium_model()}
     res = {}
     for i, (name, path) in enumerate(models.items()):
-        names = [s for s in LANES if absent and i == 0 or s != "absent"]
+        settings = [s for s in LANES if s != "off" and (absent and i == 0 or s != "absent")]
         code = (f"from benchmarks.e2e import serve_lane; "
                 f"serve_lane({path!r}, {rounds}, {groups}, {per_group}, {seed})")
-        got = lanes.run({s: (code, LANES[s]) for s in names})
-        res[name] = summarize(got, rounds)
+        for s in settings:  # each against its own off processes
+            got = lanes.run({f"{x}#{p}": (code, LANES[x]) for x in ("off", s)
+                             for p in range(procs)})
+            part = summarize(got, rounds)
+            if name not in res:
+                res[name] = part
+            else:
+                res[name][s] = part[s]
         print(f"[e2e] {name}: {json.dumps(res[name])}", file=sys.stderr, flush=True)
     return res
 
 
 def summarize(got: dict, rounds: int) -> dict:
-    """Ratios to off from the lanes' steps: per round and over all rounds."""
-    per_round = {s: [sum(x["ns"] for x in g["steps"] if x["round"] == k) for k in range(rounds)]
-                 for s, g in got.items()}
-    med_step = {s: statistics.median(x["ns"] for x in g["steps"]) for s, g in got.items()}
-    summ = {s: g["summary"] for s, g in got.items()}
+    """Ratios to off from the lanes' steps, the processes of a setting
+    (lanes ``setting#i``) pooled: per round and over all rounds; and each
+    process's own ratio over all rounds (``processes``)."""
+    procs: dict[str, list[dict]] = {}
+    for lane, g in got.items():
+        procs.setdefault(lane.split("#", 1)[0], []).append(g)
+    per_round = {s: [sum(x["ns"] for g in gs for x in g["steps"] if x["round"] == k)
+                     for k in range(rounds)] for s, gs in procs.items()}
+    med_step = {s: statistics.median(x["ns"] for g in gs for x in g["steps"])
+                for s, gs in procs.items()}
+    summ = {lane: g["summary"] for lane, g in got.items()}
     outs = {(x["tokens"], x["outputs"]) for sm in summ.values() for x in sm["rounds"]}
     if len(outs) != 1:
         raise AssertionError(f"the outputs differ between settings: {outs}")
     bad = {s: sm["violations"] for s, sm in summ.items() if sm["violations"]}
     if bad:
         raise AssertionError(f"violations on clean traffic: {bad}")
-    wrong = {s: sm["kvsan"] for s, sm in summ.items() if sm["kvsan"] != (s not in ("off", "absent"))}
+    wrong = {lane: sm["kvsan"] for lane, sm in summ.items()
+             if sm["kvsan"] != (lane.split("#", 1)[0] not in ("off", "absent"))}
     if wrong:  # a lane that measured something other than its setting
         raise AssertionError(f"kvsan installed (True) or not (False) against the setting: {wrong}")
     off = per_round["off"]
-    first = summ["off"]["rounds"][0]
+    first = procs["off"][0]["summary"]["rounds"][0]
     entry = {"tokens": first["tokens"], "steps": first["steps"], "rounds": rounds,
-             "off_tok_s": first["tokens"] * rounds / (sum(off) / 1e9),
+             "processes": len(procs["off"]),
+             "off_tok_s": first["tokens"] * rounds * len(procs["off"]) / (sum(off) / 1e9),
              "off_step_ms": med_step["off"] / 1e6}
-    for s in got:
+    # each process's mean over all rounds, against the pooled off's
+    off_mean = sum(off) / len(procs["off"])
+    for s, gs in procs.items():
         if s == "off":
             continue
         mine = per_round[s]
+        scale = len(procs["off"]) / len(gs)  # (the same number of processes, normally)
+        each = [sum(x["ns"] for x in g["steps"]) for g in gs]
         if s == "absent":  # off against not loaded: off is the one measured
-            thr = [a / o for o, a in zip(off, mine)]
-            entry[s] = {"throughput": thr, "throughput_all": sum(mine) / sum(off),
+            entry[s] = {"throughput": [a * scale / o for o, a in zip(off, mine)],
+                        "throughput_all": sum(mine) * scale / sum(off),
+                        "processes": [e / off_mean for e in each],
                         "step": [med_step["off"] / med_step[s]]}
             continue
+        rounds_of = [[x for g in gs for x in g["summary"]["rounds"][k:k + 1]]
+                     for k in range(rounds)]
         entry[s] = {
-            "throughput": [o / x for o, x in zip(off, mine)],
-            "throughput_all": sum(off) / sum(mine),
+            "throughput": [o / (x * scale) for o, x in zip(off, mine)],
+            "throughput_all": sum(off) / (sum(mine) * scale),
+            "processes": [off_mean / e for e in each],
             "step": [med_step[s] / med_step["off"]],
-            "kvsan_share": [x["kvsan_s"] / (ns / 1e9)
-                            for x, ns in zip(summ[s]["rounds"], mine)],
-            "device_share": [x["device_s"] / (ns / 1e9)
-                             for x, ns in zip(summ[s]["rounds"], mine)],
+            "kvsan_share": [sum(x["kvsan_s"] for x in rs) / (ns / 1e9)
+                            for rs, ns in zip(rounds_of, mine)],
+            "device_share": [sum(x["device_s"] for x in rs) / (ns / 1e9)
+                             for rs, ns in zip(rounds_of, mine)],
         }
     return entry
 
@@ -181,15 +210,18 @@ def markdown(res: dict) -> str:
                 continue
             share, dev = e[s].get("kvsan_share"), e[s].get("device_share")
             label = "off (KVSAN unset) vs not loaded" if s == "absent" else s
+            each = e[s].get("processes") or []
             rows.append([name, label, f"{e['tokens']} tok / {e['steps']} steps",
                          f"{e['off_tok_s']:.0f}", f"{e['off_step_ms']:.2f}",
                          f"**{e[s]['throughput_all']:.3f}x** ({ratio_cell(e[s]['throughput'])})",
+                         " / ".join(f"{x:.3f}x" for x in each) or "-",
                          f"{e[s]['step'][0]:.3f}x",
                          f"{median(share) * 100:.1f}% ({median(dev) * 100:.1f}% device)"
                          if share else "-"])
     return table(["model", "setting", "workload per round", "off tok per CPU-s",
                   "off step CPU ms (median)", "throughput / off (all rounds; per round "
-                  "median, min-max)", "median step latency / off",
+                  "median, min-max)", "each process / off, all rounds",
+                  "median step latency / off",
                   "kvsan's checks / step time, in-run"], rows)
 
 

@@ -65,18 +65,27 @@ def test_e2e_aggregation(monkeypatch):
     slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}
 
     def fake(spec):
-        return {s: {"steps": [{"ns": int(1e6 * slow[s]), "round": r}
-                              for r in range(2) for _ in range(5)],
-                    "summary": {"rounds": [{"tokens": 10, "steps": 5, "outputs": "same",
-                                            "kvsan_s": 0.0005, "device_s": 0.0001}] * 2,
-                                "violations": 0, "kvsan": s in ("default", "strict")}}
-                for s in spec}
+        got = {}
+        for lane in spec:  # "setting#process"; the second default process 4% slower
+            s, p = lane.split("#")
+            f = slow[s] * (1.04 if lane == "default#1" else 1.0)
+            got[lane] = {"steps": [{"ns": int(1e6 * f), "round": r}
+                                   for r in range(2) for _ in range(5)],
+                         "summary": {"rounds": [{"tokens": 10, "steps": 5, "outputs": "same",
+                                                 "kvsan_s": 0.0005, "device_s": 0.0001}] * 2,
+                                     "violations": 0, "kvsan": s in ("default", "strict")}}
+        return got
 
     monkeypatch.setattr(lanes, "run", fake)
     res = e2e.bench(models={"m": "unused"}, rounds=2)
-    assert res["m"]["default"]["throughput"] == pytest.approx([1 / 1.02, 1 / 1.02])
+    assert res["m"]["processes"] == 2
+    pooled = 2 / (1.02 + 1.02 * 1.04)  # the two processes of a setting pooled
+    assert res["m"]["default"]["throughput"] == pytest.approx([pooled, pooled])
+    assert res["m"]["default"]["processes"] == pytest.approx([1 / 1.02, 1 / (1.02 * 1.04)])
     assert res["m"]["strict"]["throughput_all"] == pytest.approx(1 / 1.2)
-    assert res["m"]["default"]["kvsan_share"] == pytest.approx([0.0005 / 0.00510] * 2)
+    # kvsan's own time in both processes against both processes' step time
+    assert res["m"]["default"]["kvsan_share"] == pytest.approx(
+        [2 * 0.0005 / (0.0051 + 0.0051 * 1.04)] * 2)
     assert "not loaded" in e2e.markdown(res)
 
 
