@@ -45,6 +45,7 @@
 #define KVSAN_HOOKFAST_ABI 7
 
 #include "_capi.h"
+#include <structmember.h>
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
        K_SKIP = 6, K_N = 7 };
@@ -240,6 +241,48 @@ failed(PyObject *rt, PyObject *where)
     return 0;
 }
 
+/* An attribute read at a fixed offset where the type keeps it in a slot
+ * (kvsan's Runtime.step, AllocatorChecker.fast, StepJournal's lists: read
+ * on every event), resolved once per type and again whenever the type is
+ * modified (its version tag), as CPython's own member descriptor reads it;
+ * anything else (no slot, an unset one) through PyObject_GetAttr. */
+typedef struct {
+    PyTypeObject *type; /* strong */
+    unsigned int version;
+    Py_ssize_t offset; /* -1: not a slot */
+} SlotRead;
+
+static SlotRead sr_step, sr_fast, sr_journal[3]; /* journal: uncached, freed, cached */
+
+/* new reference to ``obj.<name>``, or NULL with an exception */
+static PyObject *
+slot_attr(PyObject *obj, PyObject *name, SlotRead *c)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp != c->type || !c->version || tp->tp_version_tag != c->version
+        || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
+        Py_XSETREF(c->type, (PyTypeObject *)Py_NewRef(tp));
+        c->offset = -1;
+        PyObject *d = _PyType_Lookup(tp, name); /* borrowed */
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+            PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+            if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
+                c->offset = md->offset;
+            }
+        }
+        /* after the lookup, which gives the type a version tag if it had
+         * none; no valid tag: every read through PyObject_GetAttr */
+        c->version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
+    }
+    if (c->version && c->offset >= 0) {
+        PyObject *v = *(PyObject **)((char *)obj + c->offset);
+        if (v != NULL) {
+            return Py_NewRef(v);
+        }
+    }
+    return PyObject_GetAttr(obj, name);
+}
+
 /* (checker, table) of ``pool`` under ``rt`` as new references: 1 found with a
  * native table, 0 not (the Python route decides), -1 error */
 static int
@@ -269,7 +312,7 @@ lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
             Py_XSETREF(c_ck, Py_NewRef(checker));
         }
     }
-    PyObject *table = PyObject_GetAttr(checker, s_fast);
+    PyObject *table = slot_attr(checker, s_fast, &sr_fast);
     if (table == NULL || table == Py_None) {
         Py_XDECREF(table);
         Py_DECREF(checker);
@@ -350,7 +393,11 @@ journal_list(PyObject *rt, PyObject *name)
     if (journal == NULL) {
         return NULL;
     }
-    PyObject *list = PyObject_GetAttr(journal, name);
+    SlotRead *c = name == s_uncached ? &sr_journal[0]
+                  : name == s_freed  ? &sr_journal[1]
+                  : name == s_cached ? &sr_journal[2]
+                                     : NULL;
+    PyObject *list = c != NULL ? slot_attr(journal, name, c) : PyObject_GetAttr(journal, name);
     Py_DECREF(journal);
     return list;
 }
@@ -418,7 +465,7 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
     static PyObject **const journal_of[] = {&s_uncached, NULL, &s_freed, &s_cached};
     static PyObject **const method_of[] = {&s_allocate, &s_share, &s_release, &s_cache};
     PyObject *step = NULL, *dest = NULL, *res = NULL;
-    if (kind != K_CACHE && (step = PyObject_GetAttr(rt, s_step)) == NULL) {
+    if (kind != K_CACHE && (step = slot_attr(rt, s_step, &sr_step)) == NULL) {
         return -1;
     }
     Py_ssize_t n = kind == K_RELEASE ? 5 : kind == K_CACHE ? 1 : 4;

@@ -527,10 +527,28 @@ find_owner(PyObject *lst, PyObject *owner)
     return -1;
 }
 
-/* ``owner`` is an owner of ``b``: 1 as own0, 2 in more's list (its index
- * there in *pos_out), 3 as more's one further owner, 0 not, -1 error */
+/* block ``b``'s key in ``more``, a new reference: the engine block's own
+ * block_id int, which the engine keeps for the pool's life (a new int per
+ * shared block cost 32 bytes, and an allocation per lookup), or a new int
+ * where ``blk`` is NULL or no longer gives this id */
+static PyObject *
+block_key(PyObject *blk, Py_ssize_t b)
+{
+    PyObject *key = blk != NULL ? get_field(blk, A_BLOCK_ID) : NULL;
+    if (key == NULL || !PyLong_CheckExact(key) || PyLong_AsSsize_t(key) != b) {
+        PyErr_Clear();
+        Py_XDECREF(key);
+        key = PyLong_FromSsize_t(b);
+    }
+    return key;
+}
+
+/* ``owner`` is an owner of ``b`` (engine block ``blk``, or NULL): 1 as
+ * own0, 2 in more's list (its index there in *pos_out), 3 as more's one
+ * further owner, 0 not, -1 error */
 static int
-owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *pos_out)
+owns(Table *t, Py_ssize_t b, PyObject *blk, PyObject *owner, PyObject **extra_out,
+     Py_ssize_t *pos_out)
 {
     *extra_out = NULL;
     PyObject *o = PyList_GET_ITEM(t->own0, b);
@@ -544,7 +562,7 @@ owns(Table *t, Py_ssize_t b, PyObject *owner, PyObject **extra_out, Py_ssize_t *
     if (NOWN(t)[b] < 2) {
         return 0; /* no further owner (nown counts the owners, own0 and more's) */
     }
-    PyObject *key = PyLong_FromSsize_t(b);
+    PyObject *key = block_key(blk, b);
     if (key == NULL) {
         return -1;
     }
@@ -1138,14 +1156,8 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
             /* keyed by the block's own id, an int the engine keeps for the
              * pool's life: a new int per shared block cost 32 bytes (a new
              * one only if the block no longer gives this id) */
-            PyObject *key = at[i] < PyList_GET_SIZE(blocks)
-                                ? get_field(PyList_GET_ITEM(blocks, at[i]), A_BLOCK_ID)
-                                : NULL;
-            if (key == NULL || !PyLong_CheckExact(key) || PyLong_AsSsize_t(key) != b) {
-                PyErr_Clear();
-                Py_XDECREF(key);
-                key = PyLong_FromSsize_t(b);
-            }
+            PyObject *key = block_key(
+                at[i] < PyList_GET_SIZE(blocks) ? PyList_GET_ITEM(blocks, at[i]) : NULL, b);
             if (key == NULL) {
                 goto error_nomarks;
             }
@@ -1355,12 +1367,13 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
      * further owner) and that ``more`` entry (borrowed: only this block's
      * entry changes it, and each block is met once) */
     Py_ssize_t n1 = k ? k : 1;
-    Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (4 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
+    Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (5 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
     if (ids == NULL) {
         return NULL;
     }
     Py_ssize_t *freed_flag = ids + n1, *how = ids + 2 * n1, *pos = ids + 3 * n1;
-    PyObject **extras = (PyObject **)(ids + 4 * n1);
+    Py_ssize_t *where = ids + 4 * n1; /* its place in ``blocks`` */
+    PyObject **extras = (PyObject **)(ids + 5 * n1);
     int *nown = NOWN(t);
     unsigned char *cached = CACHED(t);
     Py_ssize_t i, m = 0;
@@ -1383,7 +1396,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         }
         PyObject *extra;
         Py_ssize_t at = -1;
-        int o = owns(t, b, owner, &extra, &at);
+        int o = owns(t, b, blk, owner, &extra, &at);
         if (o < 0) {
             goto error;
         }
@@ -1416,6 +1429,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         }
         t->seen[b] = 1;
         how[m] = o;
+        where[m] = i;
         pos[m] = at;
         extras[m] = extra;
         ids[m++] = b;
@@ -1441,7 +1455,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         if (how[i] == 1) {
             extra = NULL;
             if (nown[b] > 1) { /* it has further owners: one takes its place */
-                key = PyLong_FromSsize_t(b);
+                key = block_key(PyList_GET_ITEM(blocks, where[i]), b);
                 if (key == NULL) {
                     goto error_freed;
                 }
@@ -1467,7 +1481,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         } else {
             /* the owner leaves more, at the index owns() found: only this
              * block's entry changes it, and each block is met once */
-            key = PyLong_FromSsize_t(b);
+            key = block_key(PyList_GET_ITEM(blocks, where[i]), b);
             PyObject *gone = key == NULL ? NULL
                                          : pop_extra(t, key, extra, how[i] == 2 ? pos[i] : -1);
             if (gone == NULL) {
@@ -1482,7 +1496,8 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         I32(t->rel_step)[b] = step;
         U16(t->rel_site)[b] = (unsigned short)site;
         if (freed_flag[i]) {
-            if (key == NULL && (key = PyLong_FromSsize_t(b)) == NULL) {
+            if (key == NULL
+                && (key = block_key(PyList_GET_ITEM(blocks, where[i]), b)) == NULL) {
                 goto error_freed;
             }
             if (PyList_Append(freed, key) < 0) {

@@ -50,6 +50,12 @@ class StepJournal:
 
 
 class Runtime:
+    #: ``step`` is a slot: kvsan's native hooks read it on every allocator
+    #: event, at a fixed offset (everything else stays in ``__dict__``).
+    #: ``owner_ctx`` and ``journal`` are never rebound: the native hooks
+    #: keep them per runtime.
+    __slots__ = ("step", "__dict__", "__weakref__")
+
     def __init__(self, config: Config, role: str | None = None, metrics: bool = True):
         self.config = config
         self.pid = os.getpid()

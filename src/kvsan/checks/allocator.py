@@ -37,6 +37,10 @@ _NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:")
 
 
 class AllocatorChecker:
+    #: ``fast`` is a slot: an engine adapter's native hooks read it on every
+    #: event, at a fixed offset (everything else stays in ``__dict__``)
+    __slots__ = ("fast", "__dict__", "__weakref__")
+
     def __init__(
         self,
         num_blocks: int,
