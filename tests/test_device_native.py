@@ -12,6 +12,7 @@ A test that passed with the C module broken would be worthless, so the C
 module must be in use here (3.11, built with the package)."""
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def _make(path: str, found: list, monkeypatch, device: str = "cpu") -> DeviceChe
     tables (``benchmarks.cuda_device`` runs the paths on a GPU against the
     host paths)."""
     monkeypatch.setattr(native, "DEVICEFAST",
-                        native.load("_devicefast", 1) if path in ("c", "deferred") else None)
+                        native.load("_devicefast", 2) if path in ("c", "deferred") else None)
     dc = DeviceChecker(NB, BS, emit=found.append, checksum="all", poison=True,
                        host_tables=path != "torch", device=device,
                        defer_guard=True if path == "deferred" else None,
@@ -147,6 +148,69 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
         assert _state(dc) == _state(ref_dc), path
 
 
+class _V1Runner:
+    """The fields of vLLM's V1 runner the write guard reads (its InputBatch
+    with the requests in batch order, and the slot mapping of KV cache group
+    0 as one persistent buffer filled in place); the real runner takes the
+    same route in the engine tests."""
+
+    def __init__(self, slots: torch.Tensor):
+        table = SimpleNamespace(block_tables=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slots))])
+        self.input_batch = SimpleNamespace(num_reqs=0, _req_ids=[], block_table=table)
+
+
+def _decode_run(seed: int, one_call: bool, monkeypatch):
+    """Decode-like steps (the same batch step after step, as the persistent
+    batch keeps it), with writes into another request's block now and then
+    and the batch changing twice; the guard as the V1 hook makes it."""
+    rng = random.Random(seed)
+    found: list = []
+    dc = _make("c", found, monkeypatch)
+    slots = torch.full((32,), -1, dtype=rng.choice([torch.int64, torch.int32]))
+    runner = _V1Runner(slots)
+    own = {f"r{i}": [2 * i, 2 * i + 1] for i in range(4)}
+    dc.add_step([(rid, blocks, 0) for rid, blocks in own.items()])
+    batch = ["r0", "r1", "r2"]
+    took = 0
+    for step in range(40):
+        if step in (15, 30):  # a request leaves, another joins
+            batch = batch[1:] + [f"r{(int(batch[-1][1:]) + 1) % 4}"]
+        counts = np.array([rng.randrange(1, 3) for _ in batch], dtype=np.int32)
+        row = []
+        for rid, n in zip(batch, counts):
+            for _ in range(n):
+                b = rng.choice(own[rid])
+                if rng.random() < 0.1:  # another request's block
+                    b = rng.randrange(8)
+                row.append(b * BS + rng.randrange(BS))
+        slots.fill_(-1)
+        slots[:len(row)] = torch.tensor(row, dtype=slots.dtype)
+        runner.input_batch.num_reqs = len(batch)
+        runner.input_batch._req_ids = list(batch) + [None]  # (the batch's spare rows)
+        bad = dc._fast.guard_v1(dc, runner, counts) if one_call else None
+        if bad is None:
+            dc.guard(slots, list(batch), counts.tolist())
+        else:
+            took += 1
+            if bad:
+                dc.report_writes(bad)
+    return dc, found, took
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_v1_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
+    """``_devicefast.guard_v1`` (the V1 hook's write guard in one C call,
+    for the common step) against DeviceChecker.guard: the same violations,
+    tables and counts; it takes the steps whose batch is the last guard's
+    and leaves the others (the first, and each change of batch) to Python."""
+    dc, found, took = _decode_run(seed, True, monkeypatch)
+    ref_dc, ref_found, _ = _decode_run(seed, False, monkeypatch)
+    assert {v.kind for v in ref_found} == {"overwrite_shared_block"}
+    assert _violations(found) == _violations(ref_found)
+    assert _state(dc) == _state(ref_dc)
+    assert took == 40 - 3, took
+
+
 def test_the_faults_cover_every_device_kind(monkeypatch):
     kinds = set()
     for seed in range(6):
@@ -221,7 +285,7 @@ def test_weights_are_odd_and_a_prefix_of_one_sequence():
 
 
 def test_native_guard_rejects_bad_input():
-    fast = native.load("_devicefast", 1)
+    fast = native.load("_devicefast", 2)
     dc = DeviceChecker(NB, BS, emit=lambda v: None)
     lut, fill, sealed = dc._np
     with pytest.raises(ValueError, match="tokens scheduled"):

@@ -25,7 +25,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KVSAN_DEVICEFAST_ABI 1
+#define KVSAN_DEVICEFAST_ABI 2
 
 /* ------------------------------------------------------------ guard */
 
@@ -61,6 +61,68 @@ read_ints(PyObject *seq, Py_ssize_t n, int64_t *out)
     return 0;
 }
 
+/* the guard's loop: ``nreq`` writers ``w`` with ``c`` tokens each over the
+ * slots ``sb`` (their sum checked against it by the caller), the tables
+ * ``lb`` / ``fb`` / ``mb`` (of the same length, at least one block) */
+static PyObject *
+guard_core(Py_buffer *sbp, const int64_t *w, const int64_t *c, Py_ssize_t nreq,
+           Py_buffer *lbp, Py_buffer *fbp, Py_buffer *mbp, long long bs)
+{
+    Py_buffer sb = *sbp, lb = *lbp, fb = *fbp, mb = *mbp;
+    Py_ssize_t nb = lb.shape[0];
+    PyObject *bad = NULL, *out = NULL;
+    const int32_t *lut = (const int32_t *)lb.buf;
+    int32_t *fill = (int32_t *)fb.buf;
+    const unsigned char *sealed = (const unsigned char *)mb.buf;
+    Py_ssize_t pos = 0;
+    for (Py_ssize_t r = 0; r < nreq; r++) {
+        int64_t writer = w[r];
+        for (int64_t k = 0; k < c[r]; k++, pos++) {
+            const char *at = (const char *)sb.buf + pos * sb.strides[0];
+            int64_t s;
+            if (sb.itemsize == 8) {
+                memcpy(&s, at, 8);
+            }
+            else {
+                int32_t s32;
+                memcpy(&s32, at, 4);
+                s = s32;
+            }
+            if (s < 0) {
+                continue;  /* padding */
+            }
+            int64_t b = s / bs;
+            if (b >= nb) {
+                b = nb - 1;
+            }
+            fill[b] += 1;
+            if (lut[b] == writer && !sealed[b]) {
+                continue;
+            }
+            if (bad == NULL && (bad = PySet_New(NULL)) == NULL) {
+                goto failed;
+            }
+            PyObject *pair = Py_BuildValue("(LL)", (long long)b, (long long)writer);
+            if (pair == NULL || PySet_Add(bad, pair) < 0) {
+                Py_XDECREF(pair);
+                goto failed;
+            }
+            Py_DECREF(pair);
+        }
+    }
+    if (bad == NULL) {
+        return PyList_New(0);
+    }
+    if ((out = PySequence_List(bad)) != NULL && PyList_Sort(out) < 0) {
+        Py_CLEAR(out);
+    }
+    Py_DECREF(bad);
+    return out;
+failed:
+    Py_XDECREF(bad);
+    return NULL;
+}
+
 /* guard(slots, writers, counts, lut, fill, sealed, block_size)
  *   slots:   int64 or int32 array, the step's slot mapping (padding < 0)
  *   writers: list of the writing requests' ints, counts: tokens of each
@@ -87,7 +149,7 @@ guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_buffer sb, lb, fb, mb;
-    PyObject *writers = NULL, *counts = NULL, *bad = NULL, *out = NULL;
+    PyObject *writers = NULL, *counts = NULL, *out = NULL;
     int64_t *w = NULL, *c = NULL;
     int have_s = 0, have_l = 0, have_f = 0, have_m = 0;
 
@@ -149,61 +211,246 @@ guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
                      (long long)total, sb.shape[0]);
         goto done;
     }
-    const int32_t *lut = (const int32_t *)lb.buf;
-    int32_t *fill = (int32_t *)fb.buf;
-    const unsigned char *sealed = (const unsigned char *)mb.buf;
-    Py_ssize_t pos = 0;
-    for (Py_ssize_t r = 0; r < nreq; r++) {
-        int64_t writer = w[r];
-        for (int64_t k = 0; k < c[r]; k++, pos++) {
-            const char *at = (const char *)sb.buf + pos * sb.strides[0];
-            int64_t s;
-            if (sb.itemsize == 8) {
-                memcpy(&s, at, 8);
-            }
-            else {
-                int32_t s32;
-                memcpy(&s32, at, 4);
-                s = s32;
-            }
-            if (s < 0) {
-                continue;  /* padding */
-            }
-            int64_t b = s / bs;
-            if (b >= nb) {
-                b = nb - 1;
-            }
-            fill[b] += 1;
-            if (lut[b] == writer && !sealed[b]) {
-                continue;
-            }
-            if (bad == NULL && (bad = PySet_New(NULL)) == NULL) {
-                goto done;
-            }
-            PyObject *pair = Py_BuildValue("(LL)", (long long)b, (long long)writer);
-            if (pair == NULL || PySet_Add(bad, pair) < 0) {
-                Py_XDECREF(pair);
-                goto done;
-            }
-            Py_DECREF(pair);
-        }
-    }
-    if (bad == NULL) {
-        out = PyList_New(0);
-    }
-    else if ((out = PySequence_List(bad)) != NULL && PyList_Sort(out) < 0) {
-        Py_CLEAR(out);
-    }
+    out = guard_core(&sb, w, c, nreq, &lb, &fb, &mb, bs);
 done:
     PyMem_Free(w);
     PyMem_Free(c);
     Py_XDECREF(writers);
     Py_XDECREF(counts);
-    Py_XDECREF(bad);
     if (have_s) PyBuffer_Release(&sb);
     if (have_l) PyBuffer_Release(&lb);
     if (have_f) PyBuffer_Release(&fb);
     if (have_m) PyBuffer_Release(&mb);
+    return out;
+}
+
+/* ------------------------------------------------------ guard_v1 */
+
+/* kvsan.checks.device.DeviceChecker's attributes and vLLM V1 runner's read
+ * by guard_v1 (interned at import) */
+enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
+       G_COUNTERS, G_GUARDED, G_INPUT_BATCH, G_NUM_REQS, G_REQ_IDS, G_BLOCK_TABLE,
+       G_BLOCK_TABLES, G_SLOT_MAPPING, G_GPU, G_DATA_PTR, G_N };
+static const char *g_names[G_N] = {"_pending_guard", "_may_defer", "step_hits", "_last_batch",
+                                   "_slots_view", "_np", "block_size", "counters",
+                                   "guarded_tokens", "input_batch", "num_reqs", "_req_ids",
+                                   "block_table", "block_tables", "slot_mapping", "gpu",
+                                   "data_ptr"};
+static PyObject *g_str[G_N];
+
+/* new reference to obj.<name> (NULL with an exception) */
+#define GET(obj, i) PyObject_GetAttr((obj), g_str[i])
+
+/* guard_v1(checker, runner, num_scheduled_tokens) -> the sorted distinct
+ * (block, writer) pairs of bad writes (the step guarded: fill and the
+ * guarded-token count updated), or None where the step is not the common
+ * case, with nothing changed: the caller runs DeviceChecker.guard.
+ *
+ * The V1 runner's write guard (kvsan.hooks.vllm_worker._prepare_inputs) in
+ * one call: between two forward passes every Python frame is a cache miss,
+ * and the step's guard took three (the hook, DeviceChecker.guard and
+ * _check_writes) around this loop.  The common case: the tables and the
+ * slot mapping in host memory with its view kept (_slots_view, the same
+ * tensor at the same address), the same batch of requests as the last
+ * guard (_last_batch: the persistent batch), nothing deferred or pending,
+ * no prefix hit to check this step, and some tokens to guard.  Everything
+ * else is DeviceChecker.guard's, which gives the same results. */
+static PyObject *
+guard_v1(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "guard_v1(checker, runner, num_scheduled_tokens)");
+        return NULL;
+    }
+    PyObject *dc = args[0], *runner = args[1];
+    PyObject *o[G_N] = {NULL};
+    PyObject *batch = NULL, *bt = NULL, *bt0 = NULL, *sm_owner = NULL, *sm = NULL;
+    PyObject *ptr = NULL, *out = NULL;
+    Py_buffer cb, sb, lb, fb, mb;
+    int have_c = 0, have_s = 0, have_l = 0, have_f = 0, have_m = 0;
+    int64_t *w = NULL, *c = NULL;
+    int common = 0; /* 1: the common case, applied (out set) */
+
+    for (int i = G_PENDING; i <= G_STEP_HITS; i++) {
+        if ((o[i] = GET(dc, i)) == NULL) {
+            goto done;
+        }
+    }
+    int may = PyObject_IsTrue(o[G_MAY_DEFER]), hits = PyObject_IsTrue(o[G_STEP_HITS]);
+    if (may < 0 || hits < 0) {
+        goto done;
+    }
+    if (o[G_PENDING] != Py_None || may || hits) {
+        goto done;
+    }
+    for (int i = G_LAST_BATCH; i <= G_COUNTERS; i++) {
+        if ((o[i] = GET(dc, i)) == NULL) {
+            goto done;
+        }
+    }
+    PyObject *last = o[G_LAST_BATCH], *view = o[G_SLOTS_VIEW], *np = o[G_NP];
+    if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 2 || !PyTuple_Check(view)
+        || PyTuple_GET_SIZE(view) != 3 || !PyTuple_Check(np) || PyTuple_GET_SIZE(np) != 3
+        || !PyDict_Check(o[G_COUNTERS])) {
+        goto done;
+    }
+    PyObject *last_rids = PyTuple_GET_ITEM(last, 0), *last_ids = PyTuple_GET_ITEM(last, 1);
+    if (!PyList_Check(last_rids) || !PyList_Check(last_ids)
+        || PyList_GET_SIZE(last_ids) != PyList_GET_SIZE(last_rids)
+        || PyTuple_GET_ITEM(view, 2) == Py_None) {
+        goto done;
+    }
+    long long bs = PyLong_AsLongLong(o[G_BLOCK_SIZE]);
+    if (bs <= 0) {
+        PyErr_Clear();
+        goto done;
+    }
+    /* the batch: the same requests, in the same order, as the last guard */
+    if ((batch = GET(runner, G_INPUT_BATCH)) == NULL
+        || (o[G_NUM_REQS] = GET(batch, G_NUM_REQS)) == NULL) {
+        goto done;
+    }
+    Py_ssize_t n = PyLong_AsSsize_t(o[G_NUM_REQS]);
+    if (n == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if (n != PyList_GET_SIZE(last_rids)) {
+        goto done;
+    }
+    if ((o[G_REQ_IDS] = GET(batch, G_REQ_IDS)) == NULL) {
+        goto done;
+    }
+    PyObject *rids = o[G_REQ_IDS];
+    if (!PyList_Check(rids) || PyList_GET_SIZE(rids) < n) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *a = PyList_GET_ITEM(rids, i), *b = PyList_GET_ITEM(last_rids, i);
+        int eq = a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
+        if (eq <= 0) {
+            goto done; /* (an error goes to Python too: it meets the same) */
+        }
+    }
+    /* the slot mapping: the tensor whose view is kept, at the same address */
+    if ((bt = GET(batch, G_BLOCK_TABLE)) == NULL || (bt0 = GET(bt, G_BLOCK_TABLES)) == NULL) {
+        goto done;
+    }
+    Py_SETREF(bt0, PySequence_GetItem(bt0, 0));
+    if (bt0 == NULL || (sm_owner = GET(bt0, G_SLOT_MAPPING)) == NULL
+        || (sm = GET(sm_owner, G_GPU)) == NULL) {
+        goto done;
+    }
+    if (sm != PyTuple_GET_ITEM(view, 0)) {
+        goto done;
+    }
+    if ((ptr = PyObject_CallMethodNoArgs(sm, g_str[G_DATA_PTR])) == NULL) {
+        goto done;
+    }
+    int same = PyObject_RichCompareBool(ptr, PyTuple_GET_ITEM(view, 1), Py_EQ);
+    if (same <= 0) {
+        goto done;
+    }
+    /* the tokens of each request: vLLM's numpy array, or any 1-d int buffer */
+    if (PyObject_GetBuffer(args[2], &cb, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        goto done;
+    }
+    have_c = 1;
+    const char *cf = cb.format ? cb.format + strlen(cb.format) - 1 : "B";
+    if (cb.ndim != 1 || cb.shape[0] < n || (cb.itemsize != 8 && cb.itemsize != 4)
+        || strchr("qli", *cf) == NULL) {
+        goto done;
+    }
+    w = PyMem_Malloc(sizeof(int64_t) * (n + 1));
+    c = PyMem_Malloc(sizeof(int64_t) * (n + 1));
+    if (w == NULL || c == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *at = (const char *)cb.buf + i * cb.strides[0];
+        if (cb.itemsize == 8) {
+            memcpy(&c[i], at, 8);
+        } else {
+            int32_t v;
+            memcpy(&v, at, 4);
+            c[i] = v;
+        }
+        long long id = PyLong_AsLongLong(PyList_GET_ITEM(last_ids, i));
+        if (c[i] < 0 || (id == -1 && PyErr_Occurred())) {
+            goto done;
+        }
+        w[i] = id;
+        total += c[i];
+    }
+    if (total == 0) {
+        goto done; /* (the hits' check runs there) */
+    }
+    if (get_1d(PyTuple_GET_ITEM(view, 2), &sb, 0, 0, "slots") < 0) {
+        goto done;
+    }
+    have_s = 1;
+    const char *sf = sb.format ? sb.format + strlen(sb.format) - 1 : "B";
+    if ((sb.itemsize != 8 && sb.itemsize != 4) || strchr("qli", *sf) == NULL
+        || total > sb.shape[0]) {
+        goto done;
+    }
+    if (get_1d(PyTuple_GET_ITEM(np, 0), &lb, 0, 4, "lut") < 0) {
+        goto done;
+    }
+    have_l = 1;
+    if (get_1d(PyTuple_GET_ITEM(np, 1), &fb, 1, 4, "fill") < 0) {
+        goto done;
+    }
+    have_f = 1;
+    if (get_1d(PyTuple_GET_ITEM(np, 2), &mb, 0, 1, "sealed") < 0) {
+        goto done;
+    }
+    have_m = 1;
+    if (fb.shape[0] != lb.shape[0] || mb.shape[0] != lb.shape[0] || lb.shape[0] == 0) {
+        goto done;
+    }
+    /* from here on the step is guarded: a failure is kvsan's own (raised) */
+    common = 1;
+    PyObject *had = PyDict_GetItemWithError(o[G_COUNTERS], g_str[G_GUARDED]);
+    if (had == NULL && PyErr_Occurred()) {
+        goto done;
+    }
+    long long before = had != NULL ? PyLong_AsLongLong(had) : 0;
+    if (before == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    PyObject *now = PyLong_FromLongLong(before + total);
+    if (now == NULL) {
+        goto done;
+    }
+    int r = PyDict_SetItem(o[G_COUNTERS], g_str[G_GUARDED], now);
+    Py_DECREF(now);
+    if (r < 0) {
+        goto done;
+    }
+    out = guard_core(&sb, w, c, n, &lb, &fb, &mb, bs);
+done:
+    if (!common && out == NULL) { /* not the common case: DeviceChecker.guard's */
+        PyErr_Clear();
+        out = Py_NewRef(Py_None);
+    }
+    PyMem_Free(w);
+    PyMem_Free(c);
+    if (have_c) PyBuffer_Release(&cb);
+    if (have_s) PyBuffer_Release(&sb);
+    if (have_l) PyBuffer_Release(&lb);
+    if (have_f) PyBuffer_Release(&fb);
+    if (have_m) PyBuffer_Release(&mb);
+    for (int i = 0; i < G_N; i++) {
+        Py_XDECREF(o[i]);
+    }
+    Py_XDECREF(batch);
+    Py_XDECREF(bt);
+    Py_XDECREF(bt0);
+    Py_XDECREF(sm_owner);
+    Py_XDECREF(sm);
+    Py_XDECREF(ptr);
     return out;
 }
 
@@ -508,6 +755,10 @@ static PyMethodDef methods[] = {
      "guard(slots, writers, counts, lut, fill, sealed, block_size) -> sorted distinct "
      "(block, writer) pairs of writes outside the writer's own unsealed blocks; "
      "adds the slots written to fill"},
+    {"guard_v1", (PyCFunction)(void (*)(void))guard_v1, METH_FASTCALL,
+     "guard_v1(checker, runner, num_scheduled_tokens) -> the step's bad (block, writer) "
+     "pairs, the step guarded; or None: not the common case, nothing changed (the caller "
+     "runs DeviceChecker.guard)"},
     {"checksums", (PyCFunction)(void (*)(void))checksums, METH_FASTCALL,
      "checksums(layers, blocks, weights, chunks) -> per block, a tuple of per-layer weighted "
      "word sums (None if a layer's rows are not contiguous)"},
@@ -530,6 +781,12 @@ PyInit__devicefast(void)
         return NULL;
     }
     simd_detect();
+    for (int i = 0; i < G_N; i++) {
+        if ((g_str[i] = PyUnicode_InternFromString(g_names[i])) == NULL) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
     if (PyModule_AddIntConstant(m, "ABI", KVSAN_DEVICEFAST_ABI) < 0) {
         Py_DECREF(m);
         return NULL;

@@ -927,6 +927,11 @@ class DeviceChecker:
             bad = self._bad_writes(slot_mapping[:total], ids, counts)
         if self.step_hits:
             self.check_hits_written()
+        if bad:
+            self.report_writes(bad)
+
+    def report_writes(self, bad) -> None:
+        """Report the guard's bad writes: distinct (block, writer int) pairs."""
         for b, w in bad:
             rid = self._int_rid[w]
             holders = self.holders.get(b, set())

@@ -31,7 +31,7 @@ def use_devicefast(on: bool = True) -> bool:
     """Device checkers made from now on use ``kvsan._devicefast`` (``on``
     False: numpy and torch only).  Returns whether it is in use."""
     global DEVICEFAST
-    DEVICEFAST = load("_devicefast", 1) if on else None
+    DEVICEFAST = load("_devicefast", 2) if on else None
     return DEVICEFAST is not None
 
 
