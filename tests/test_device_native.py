@@ -12,7 +12,6 @@ A test that passed with the C module broken would be worthless, so the C
 module must be in use here (3.11, built with the package)."""
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -148,26 +147,15 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
         assert _state(dc) == _state(ref_dc), path
 
 
-class _V1Runner:
-    """The fields of vLLM's V1 runner the write guard reads (its InputBatch
-    with the requests in batch order, and the slot mapping of KV cache group
-    0 as one persistent buffer filled in place); the real runner takes the
-    same route in the engine tests."""
-
-    def __init__(self, slots: torch.Tensor):
-        table = SimpleNamespace(block_tables=[SimpleNamespace(slot_mapping=SimpleNamespace(gpu=slots))])
-        self.input_batch = SimpleNamespace(num_reqs=0, _req_ids=[], block_table=table)
-
-
 def _decode_run(seed: int, one_call: bool, monkeypatch):
-    """Decode-like steps (the same batch step after step, as the persistent
-    batch keeps it), with writes into another request's block now and then
-    and the batch changing twice; the guard as the V1 hook makes it."""
+    """Decode-like steps (the same batch step after step, as an engine's
+    persistent batch keeps it, in a slot mapping filled in place), with
+    writes into another request's block now and then and the batch changing
+    twice; the guard as the V1 hook makes it."""
     rng = random.Random(seed)
     found: list = []
     dc = _make("c", found, monkeypatch)
     slots = torch.full((32,), -1, dtype=rng.choice([torch.int64, torch.int32]))
-    runner = _V1Runner(slots)
     own = {f"r{i}": [2 * i, 2 * i + 1] for i in range(4)}
     dc.add_step([(rid, blocks, 0) for rid, blocks in own.items()])
     batch = ["r0", "r1", "r2"]
@@ -185,9 +173,8 @@ def _decode_run(seed: int, one_call: bool, monkeypatch):
                 row.append(b * BS + rng.randrange(BS))
         slots.fill_(-1)
         slots[:len(row)] = torch.tensor(row, dtype=slots.dtype)
-        runner.input_batch.num_reqs = len(batch)
-        runner.input_batch._req_ids = list(batch) + [None]  # (the batch's spare rows)
-        bad = dc._fast.guard_v1(dc, runner, counts) if one_call else None
+        rids = list(batch) + [None]  # (vLLM's batch keeps spare rows)
+        bad = dc._fast.guard_step(dc, slots, rids, len(batch), counts) if one_call else None
         if bad is None:
             dc.guard(slots, list(batch), counts.tolist())
         else:
@@ -198,8 +185,8 @@ def _decode_run(seed: int, one_call: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_the_v1_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
-    """``_devicefast.guard_v1`` (the V1 hook's write guard in one C call,
+def test_the_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
+    """``_devicefast.guard_step`` (the V1 hook's write guard in one C call,
     for the common step) against DeviceChecker.guard: the same violations,
     tables and counts; it takes the steps whose batch is the last guard's
     and leaves the others (the first, and each change of batch) to Python."""

@@ -224,47 +224,45 @@ done:
     return out;
 }
 
-/* ------------------------------------------------------ guard_v1 */
+/* ---------------------------------------------------- guard_step */
 
-/* kvsan.checks.device.DeviceChecker's attributes and vLLM V1 runner's read
- * by guard_v1 (interned at import) */
+/* kvsan.checks.device.DeviceChecker's attributes read by guard_step
+ * (interned at import) */
 enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
-       G_COUNTERS, G_GUARDED, G_INPUT_BATCH, G_NUM_REQS, G_REQ_IDS, G_BLOCK_TABLE,
-       G_BLOCK_TABLES, G_SLOT_MAPPING, G_GPU, G_DATA_PTR, G_N };
+       G_COUNTERS, G_GUARDED, G_DATA_PTR, G_N };
 static const char *g_names[G_N] = {"_pending_guard", "_may_defer", "step_hits", "_last_batch",
                                    "_slots_view", "_np", "block_size", "counters",
-                                   "guarded_tokens", "input_batch", "num_reqs", "_req_ids",
-                                   "block_table", "block_tables", "slot_mapping", "gpu",
-                                   "data_ptr"};
+                                   "guarded_tokens", "data_ptr"};
 static PyObject *g_str[G_N];
 
 /* new reference to obj.<name> (NULL with an exception) */
 #define GET(obj, i) PyObject_GetAttr((obj), g_str[i])
 
-/* guard_v1(checker, runner, num_scheduled_tokens) -> the sorted distinct
- * (block, writer) pairs of bad writes (the step guarded: fill and the
- * guarded-token count updated), or None where the step is not the common
- * case, with nothing changed: the caller runs DeviceChecker.guard.
+/* guard_step(checker, slot_mapping, batch_req_ids, n, tokens) ->
+ * DeviceChecker.guard(slot_mapping, batch_req_ids[:n], tokens[:n]) for the
+ * common step: the sorted distinct (block, writer) pairs of bad writes (the
+ * step guarded: fill and the guarded-token count updated; the caller
+ * reports them), or None, with nothing changed, for any other step (the
+ * caller runs DeviceChecker.guard, which gives the same results).
  *
- * The V1 runner's write guard (kvsan.hooks.vllm_worker._prepare_inputs) in
- * one call: between two forward passes every Python frame is a cache miss,
- * and the step's guard took three (the hook, DeviceChecker.guard and
- * _check_writes) around this loop.  The common case: the tables and the
- * slot mapping in host memory with its view kept (_slots_view, the same
- * tensor at the same address), the same batch of requests as the last
- * guard (_last_batch: the persistent batch), nothing deferred or pending,
- * no prefix hit to check this step, and some tokens to guard.  Everything
- * else is DeviceChecker.guard's, which gives the same results. */
+ * Between two forward passes every Python frame is a cache miss, and a
+ * step's guard took two (DeviceChecker.guard and _check_writes) and a list
+ * of the tokens per request around this loop.  The common step: the tables
+ * and the slot mapping in host memory with its view kept (_slots_view: the
+ * same tensor at the same address), the same requests as the last guard's,
+ * in the same order (_last_batch: an engine's persistent batch), nothing
+ * deferred or pending, no prefix hit to check, and some tokens to guard.
+ * ``tokens``: a 1-d buffer of int32 or int64 (an engine's numpy array). */
 static PyObject *
-guard_v1(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "guard_v1(checker, runner, num_scheduled_tokens)");
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "guard_step(checker, slot_mapping, batch_req_ids, n, tokens)");
         return NULL;
     }
-    PyObject *dc = args[0], *runner = args[1];
+    PyObject *dc = args[0], *sm = args[1], *rids = args[2];
     PyObject *o[G_N] = {NULL};
-    PyObject *batch = NULL, *bt = NULL, *bt0 = NULL, *sm_owner = NULL, *sm = NULL;
     PyObject *ptr = NULL, *out = NULL;
     Py_buffer cb, sb, lb, fb, mb;
     int have_c = 0, have_s = 0, have_l = 0, have_f = 0, have_m = 0;
@@ -306,22 +304,11 @@ guard_v1(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     /* the batch: the same requests, in the same order, as the last guard */
-    if ((batch = GET(runner, G_INPUT_BATCH)) == NULL
-        || (o[G_NUM_REQS] = GET(batch, G_NUM_REQS)) == NULL) {
-        goto done;
-    }
-    Py_ssize_t n = PyLong_AsSsize_t(o[G_NUM_REQS]);
+    Py_ssize_t n = PyLong_AsSsize_t(args[3]);
     if (n == -1 && PyErr_Occurred()) {
         goto done;
     }
-    if (n != PyList_GET_SIZE(last_rids)) {
-        goto done;
-    }
-    if ((o[G_REQ_IDS] = GET(batch, G_REQ_IDS)) == NULL) {
-        goto done;
-    }
-    PyObject *rids = o[G_REQ_IDS];
-    if (!PyList_Check(rids) || PyList_GET_SIZE(rids) < n) {
+    if (n != PyList_GET_SIZE(last_rids) || !PyList_Check(rids) || PyList_GET_SIZE(rids) < n) {
         goto done;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -332,14 +319,6 @@ guard_v1(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     /* the slot mapping: the tensor whose view is kept, at the same address */
-    if ((bt = GET(batch, G_BLOCK_TABLE)) == NULL || (bt0 = GET(bt, G_BLOCK_TABLES)) == NULL) {
-        goto done;
-    }
-    Py_SETREF(bt0, PySequence_GetItem(bt0, 0));
-    if (bt0 == NULL || (sm_owner = GET(bt0, G_SLOT_MAPPING)) == NULL
-        || (sm = GET(sm_owner, G_GPU)) == NULL) {
-        goto done;
-    }
     if (sm != PyTuple_GET_ITEM(view, 0)) {
         goto done;
     }
@@ -351,7 +330,7 @@ guard_v1(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     /* the tokens of each request: vLLM's numpy array, or any 1-d int buffer */
-    if (PyObject_GetBuffer(args[2], &cb, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+    if (PyObject_GetBuffer(args[4], &cb, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
         goto done;
     }
     have_c = 1;
@@ -445,11 +424,6 @@ done:
     for (int i = 0; i < G_N; i++) {
         Py_XDECREF(o[i]);
     }
-    Py_XDECREF(batch);
-    Py_XDECREF(bt);
-    Py_XDECREF(bt0);
-    Py_XDECREF(sm_owner);
-    Py_XDECREF(sm);
     Py_XDECREF(ptr);
     return out;
 }
@@ -755,10 +729,10 @@ static PyMethodDef methods[] = {
      "guard(slots, writers, counts, lut, fill, sealed, block_size) -> sorted distinct "
      "(block, writer) pairs of writes outside the writer's own unsealed blocks; "
      "adds the slots written to fill"},
-    {"guard_v1", (PyCFunction)(void (*)(void))guard_v1, METH_FASTCALL,
-     "guard_v1(checker, runner, num_scheduled_tokens) -> the step's bad (block, writer) "
-     "pairs, the step guarded; or None: not the common case, nothing changed (the caller "
-     "runs DeviceChecker.guard)"},
+    {"guard_step", (PyCFunction)(void (*)(void))guard_step, METH_FASTCALL,
+     "guard_step(checker, slot_mapping, batch_req_ids, n, tokens) -> the step's bad (block, "
+     "writer) pairs, the step guarded; or None: not the common step, nothing changed (the "
+     "caller runs DeviceChecker.guard)"},
     {"checksums", (PyCFunction)(void (*)(void))checksums, METH_FASTCALL,
      "checksums(layers, blocks, weights, chunks) -> per block, a tuple of per-layer weighted "
      "word sums (None if a layer's rows are not contiguous)"},

@@ -339,16 +339,17 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
     t0 = _perf_counter()
     try:
         num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
+        batch = instance.input_batch
+        n = batch.num_reqs
+        slots = batch.block_table.block_tables[0].slot_mapping.gpu
+        rids = batch.req_ids
         # the common step (host memory, the same batch as the last guard) in
-        # one C call; anything else, or no kvsan._devicefast, in Python
+        # one C call; any other, or no kvsan._devicefast, in Python
         fast = dc._fast
-        bad = fast.guard_v1(dc, instance, num_sched) if fast is not None else None
+        bad = fast.guard_step(dc, slots, rids, n, num_sched) if fast is not None else None
         if bad is None:
-            batch = instance.input_batch
-            n = batch.num_reqs
             counts = num_sched[:n]
-            dc.guard(batch.block_table.block_tables[0].slot_mapping.gpu, batch.req_ids[:n],
-                     counts.tolist() if hasattr(counts, "tolist") else _ints(counts))
+            dc.guard(slots, rids[:n], counts.tolist() if hasattr(counts, "tolist") else _ints(counts))
         elif bad:
             dc.report_writes(bad)
     except Exception as e:  # noqa: BLE001 - report first, never mask
