@@ -157,7 +157,7 @@ guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     have_s = 1;
-    const char *fmt = sb.format ? sb.format + strlen(sb.format) - 1 : "B";
+    const char *fmt = (sb.format && *sb.format) ? sb.format + strlen(sb.format) - 1 : "B";
     if ((sb.itemsize != 8 && sb.itemsize != 4) || strchr("qli", *fmt) == NULL) {
         PyErr_SetString(PyExc_ValueError, "slots: int64 or int32 items are needed");
         goto done;
@@ -334,7 +334,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     have_c = 1;
-    const char *cf = cb.format ? cb.format + strlen(cb.format) - 1 : "B";
+    const char *cf = (cb.format && *cb.format) ? cb.format + strlen(cb.format) - 1 : "B";
     if (cb.ndim != 1 || cb.shape[0] < n || (cb.itemsize != 8 && cb.itemsize != 4)
         || strchr("qli", *cf) == NULL) {
         goto done;
@@ -344,6 +344,9 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (w == NULL || c == NULL) {
         PyErr_NoMemory();
         goto done;
+    }
+    if (PyList_GET_SIZE(last_ids) < n || PyList_GET_SIZE(rids) < n) {
+        goto done; /* (changed by the Python code the calls above may run) */
     }
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -369,7 +372,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     have_s = 1;
-    const char *sf = sb.format ? sb.format + strlen(sb.format) - 1 : "B";
+    const char *sf = (sb.format && *sb.format) ? sb.format + strlen(sb.format) - 1 : "B";
     if ((sb.itemsize != 8 && sb.itemsize != 4) || strchr("qli", *sf) == NULL
         || total > sb.shape[0]) {
         goto done;

@@ -105,6 +105,9 @@ typedef struct {
 #endif
 
 static double tsc_seconds = 0.0; /* seconds per counter tick; 0: the clock */
+#ifdef HAVE_TSC
+static unsigned long long tsc_base = 0; /* ticks are read from here (a double's precision) */
+#endif
 
 static inline double
 clock_now(void)
@@ -119,14 +122,40 @@ now(void)
 {
 #ifdef HAVE_TSC
     if (tsc_seconds > 0.0) {
-        return (double)__rdtsc() * tsc_seconds;
+        return (double)(long long)(__rdtsc() - tsc_base) * tsc_seconds;
     }
 #endif
     return clock_now();
 }
 
+#ifdef HAVE_TSC
+/* a CLOCK_MONOTONIC read and the counter at that moment: the read is
+ * bracketed by two counter reads, retried while the bracket is wide (an
+ * interrupt in between); 0 if it stays wide */
+static int
+clock_and_tsc(double *c, unsigned long long *t)
+{
+    unsigned long long best = ~0ULL;
+    for (int i = 0; i < 16; i++) {
+        unsigned long long a = __rdtsc();
+        double now_c = clock_now();
+        unsigned long long b = __rdtsc();
+        if (b > a && b - a < best) {
+            best = b - a;
+            *c = now_c;
+            *t = a + (b - a) / 2;
+        }
+        if (best < 2000) { /* under a microsecond or so: no interrupt */
+            return 1;
+        }
+    }
+    return best != ~0ULL && best < 100000;
+}
+#endif
+
 /* tsc_seconds, where the kernel's clock source is the counter: its ticks
- * over 2 ms of CLOCK_MONOTONIC (once per process) */
+ * over about 2 ms of CLOCK_MONOTONIC, the median of five (once per
+ * process: a preemption during one skews that one only) */
 static void
 calibrate(void)
 {
@@ -139,20 +168,38 @@ calibrate(void)
     if (f == NULL) {
         return;
     }
-    size_t n = fread(src, 1, sizeof(src) - 1, f);
+    size_t len = fread(src, 1, sizeof(src) - 1, f);
     fclose(f);
-    if (n < 3 || strncmp(src, "tsc", 3) != 0 || (src[3] != '\n' && src[3] != '\0')) {
+    if (len < 3 || strncmp(src, "tsc", 3) != 0 || (src[3] != '\n' && src[3] != '\0')) {
         return;
     }
-    double c0 = clock_now(), c1;
-    unsigned long long t0 = __rdtsc(), t1;
-    do {
-        c1 = clock_now();
-        t1 = __rdtsc();
-    } while (c1 - c0 < 2e-3);
-    if (t1 > t0) {
-        tsc_seconds = (c1 - c0) / (double)(t1 - t0);
+    double got[5];
+    int n = 0;
+    for (int i = 0; i < 5; i++) {
+        double c0 = 0.0, c1 = 0.0;
+        unsigned long long t0 = 0, t1 = 0;
+        if (!clock_and_tsc(&c0, &t0)) {
+            continue;
+        }
+        do {
+            c1 = clock_now();
+        } while (c1 - c0 < 2e-3);
+        if (clock_and_tsc(&c1, &t1) && t1 > t0) {
+            got[n++] = (c1 - c0) / (double)(t1 - t0);
+        }
     }
+    if (n < 3) {
+        return; /* the clock, then */
+    }
+    for (int i = 1; i < n; i++) { /* (insertion sort of n <= 5) */
+        for (int j = i; j > 0 && got[j] < got[j - 1]; j--) {
+            double x = got[j];
+            got[j] = got[j - 1];
+            got[j - 1] = x;
+        }
+    }
+    tsc_base = __rdtsc();
+    tsc_seconds = got[n / 2];
 #endif
 }
 
@@ -264,7 +311,9 @@ slot_attr(PyObject *obj, PyObject *name, SlotRead *c)
         Py_XSETREF(c->type, (PyTypeObject *)Py_NewRef(tp));
         c->offset = -1;
         PyObject *d = _PyType_Lookup(tp, name); /* borrowed */
-        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)
+            && tp->tp_getattro == PyObject_GenericGetAttr
+            && PyType_IsSubtype(tp, PyDescr_TYPE(d))) { /* (a descriptor of this type's) */
             PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
             if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
                 c->offset = md->offset;
@@ -430,12 +479,11 @@ journal_extend(PyObject *rt, PyObject *name, PyObject *items)
 #define SNAP_ON_STACK 64
 
 static int
-snap_as_list(PyObject **snap, const long long *csnap, PyObject *blocks)
+snap_as_list(PyObject **snap, const long long *csnap, Py_ssize_t k)
 {
     if (csnap == NULL || *snap != Py_True) {
         return 0; /* already the list */
     }
-    Py_ssize_t k = PyList_GET_SIZE(blocks);
     PyObject *out = PyList_New(k);
     if (out == NULL) {
         return -1;
@@ -460,7 +508,7 @@ snap_as_list(PyObject **snap, const long long *csnap, PyObject *blocks)
  * (tests swap in others). */
 static int
 apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject **snap,
-            const long long *csnap, PyObject *owner, PyObject *site)
+            const long long *csnap, Py_ssize_t csnap_n, PyObject *owner, PyObject *site)
 {
     static PyObject **const journal_of[] = {&s_uncached, NULL, &s_freed, &s_cached};
     static PyObject **const method_of[] = {&s_allocate, &s_share, &s_release, &s_cache};
@@ -470,7 +518,8 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
     }
     Py_ssize_t n = kind == K_RELEASE ? 5 : kind == K_CACHE ? 1 : 4;
     int direct = sapi != NULL && Py_TYPE(fast) == sapi->table_type
-                 && (kind != K_RELEASE || csnap != NULL);
+                 && (kind != K_RELEASE
+                     || (csnap != NULL && PyList_GET_SIZE(blocks) == csnap_n));
     if (direct && journal_of[kind] != NULL) {
         if ((dest = journal_list(rt, *journal_of[kind])) == NULL) {
             Py_XDECREF(step);
@@ -481,7 +530,7 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
             direct = 0;
         }
     }
-    if (!direct && kind == K_RELEASE && snap_as_list(snap, csnap, blocks) < 0) {
+    if (!direct && kind == K_RELEASE && snap_as_list(snap, csnap, csnap_n) < 0) {
         Py_XDECREF(step);
         return -1;
     }
@@ -1099,6 +1148,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     /* RELEASE's snapshot: from _shadowfast's C function an array (``snap``
      * is then True until a Python method needs it as a list), else a list */
     long long snap_stack[SNAP_ON_STACK], *csnap = NULL;
+    Py_ssize_t csnap_n = 0; /* its entries: the list's length when it was taken */
     if (h->kind == K_RELEASE) {
         /* read once, as the Python hook does (list(args[0])), and pass the list on */
         list = PySequence_List(args[1]);
@@ -1111,6 +1161,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             && (csnap = k <= SNAP_ON_STACK ? snap_stack
                                            : PyMem_Malloc((size_t)k * sizeof(long long)))
                    != NULL) {
+            csnap_n = k;
             int r = sapi->snapshot(fast, list, pool, csnap);
             snap = r > 0 ? Py_NewRef(Py_True) : r == 0 ? Py_NewRef(Py_None) : NULL;
         } else {
@@ -1150,13 +1201,13 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     case K_ALLOCATE:
         blocks = ret;
         if (owner != Py_None && PyList_CheckExact(ret)) {
-            clean = apply_event(K_ALLOCATE, fast, rt, ret, NULL, NULL, owner, site);
+            clean = apply_event(K_ALLOCATE, fast, rt, ret, NULL, NULL, 0, owner, site);
         }
         break;
     case K_TOUCH:
     case K_RELEASE:
         if (owner != Py_None) {
-            clean = apply_event(h->kind, fast, rt, blocks, &snap, csnap, owner, site);
+            clean = apply_event(h->kind, fast, rt, blocks, &snap, csnap, csnap_n, owner, site);
         }
         break;
     case K_CACHE: {
@@ -1170,7 +1221,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             goto fail;
         }
         if (PyList_CheckExact(sliced)) {
-            clean = apply_event(K_CACHE, fast, rt, sliced, NULL, NULL, NULL, NULL);
+            clean = apply_event(K_CACHE, fast, rt, sliced, NULL, NULL, 0, NULL, NULL);
         }
         break;
     }
@@ -1187,7 +1238,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     if (!clean) { /* the Python hook's second half, with the context read here */
         PyObject *r;
         if (h->kind == K_RELEASE) {
-            if (snap_as_list(&snap, csnap, blocks) < 0) {
+            if (snap_as_list(&snap, csnap, csnap_n) < 0) {
                 goto fail;
             }
             PyObject *argv[7] = {rt, ck, pool, blocks, snap, site, owner};
@@ -1457,13 +1508,14 @@ import_capi(void)
 {
     fapi = PyCapsule_Import(KVSAN_FRAMES_CAPSULE, 0);
     if (fapi == NULL || fapi->abi != KVSAN_CAPI_ABI) {
+        PyErr_Clear(); /* (a module built before the capsules: none) */
         fapi = NULL;
     }
     sapi = PyCapsule_Import(KVSAN_SHADOW_CAPSULE, 0);
     if (sapi == NULL || sapi->abi != KVSAN_CAPI_ABI) {
+        PyErr_Clear();
         sapi = NULL;
     }
-    PyErr_Clear();
 }
 
 static PyObject *

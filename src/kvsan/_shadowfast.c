@@ -99,7 +99,11 @@ resolve_slots(PyTypeObject *tp)
         if (d != NULL && Py_IS_TYPE(d, &PyProperty_Type)) {
             d = plain_getter_slot(tp, d); /* borrowed, or NULL */
         }
-        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)) {
+        /* a member descriptor of this type's (or a base's), read the way
+         * object.__getattribute__ reads it */
+        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)
+            && tp->tp_getattro == PyObject_GenericGetAttr
+            && PyType_IsSubtype(tp, PyDescr_TYPE(d))) {
             PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
             if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
                 slot_offset[i] = md->offset;
@@ -293,6 +297,9 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         return -1;
     }
     self->n = n;
+    for (int i = 0; i < SITE_CACHE; i++) { /* (site_ids may be another dict now) */
+        Py_CLEAR(self->site_key[i]);
+    }
     struct {
         const char *name;
         PyObject **slot;
@@ -318,9 +325,6 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
             return -1;
         }
         Py_XSETREF(*objs[i].slot, o);
-    }
-    for (int i = 0; i < SITE_CACHE; i++) { /* (site_ids may be another dict now) */
-        Py_CLEAR(self->site_key[i]);
     }
     Py_XSETREF(self->mism, Py_NewRef(mism));
     Py_XSETREF(self->sh, Py_NewRef(sh));
