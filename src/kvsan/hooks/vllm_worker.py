@@ -348,8 +348,7 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
         fast = dc._fast
         bad = fast.guard_step(dc, slots, rids, n, num_sched) if fast is not None else None
         if bad is None:
-            counts = num_sched[:n]
-            dc.guard(slots, rids[:n], counts.tolist() if hasattr(counts, "tolist") else _ints(counts))
+            dc.guard(slots, rids[:n], _ints(num_sched[:n]))
         elif bad:
             dc.report_writes(bad)
     except Exception as e:  # noqa: BLE001 - report first, never mask
