@@ -421,7 +421,7 @@ def test_runner_shutdown_reports_what_is_still_on_its_way(kvsan_rt):
     dc.verify_step(layers)  # takes up the seal's sums, queues a verification
     layers[0][1].view(-1)[3] += 1  # (after the verification was queued)
     dc.verify_step(layers)  # queues one that sees the scribble
-    assert dc._pending_sums and kvsan_rt.violations() == []
+    assert dc.pending_sums and kvsan_rt.violations() == []
 
     class Runner:  # stands for the GPUModelRunner (a weak-referenced key)
         pass
@@ -433,7 +433,7 @@ def test_runner_shutdown_reports_what_is_still_on_its_way(kvsan_rt):
     assert ran == [1]  # reported before vLLM's shutdown ran
     (v,) = kvsan_rt.violations()
     assert (v.kind, v.blocks, v.owners) == ("checksum_mismatch", [1], ["P"])
-    assert not dc._pending_sums
+    assert not dc.pending_sums
 
 
 def test_runner_shutdown_runs_after_a_raised_violation_and_keeps_nothing(kvsan_rt):

@@ -386,7 +386,7 @@ def test_deferred_checksums_are_reported_with_their_step_and_never_stale():
         dc.seal(layers)
 
     write("a", 3)
-    assert dc._pending_sums and 3 not in dc.sums  # on its way
+    assert dc.pending_sums and 3 not in dc.sums  # on its way
     dc.uncache([3])  # evicted before the result was taken up
     dc.drop_request("a")
     now[0] = 2
@@ -509,7 +509,7 @@ def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
     dc.will_seal([3])
     dc.seal(layers)
     event = InFlight()
-    dc._pending_sums[0][4] = event  # as from a CUDA device: not arrived
+    dc.pending_sums[0][4] = event  # as from a CUDA device: not arrived
     for _ in range(2 * DeviceChecker.SAMPLE_BATCH_STEPS):
         dc.verify_step(layers)
     assert 3 in dc.sealed and 3 not in dc.sums and dc.counters["verified"] == 2
@@ -619,9 +619,9 @@ def test_unknown_writers_counted_when_their_copy_arrives():
     dc = DeviceChecker(NB, BS, emit=lambda v: None, defer_guard=True)
     dc.add_step([("a", [3], 0)])
     dc.count_writes(torch.arange(3 * BS, 4 * BS), BS)
-    assert dc._pending_guard is not None and dc._read(1, [3]) == [0]
+    assert dc.pending_guard is not None and dc._read(1, [3]) == [0]
     dc.settle()
-    assert dc._pending_guard is None and dc._read(1, [3]) == [BS]
+    assert dc.pending_guard is None and dc._read(1, [3]) == [BS]
 
 
 def test_a_request_sent_again_mid_block_keeps_its_written_slots():

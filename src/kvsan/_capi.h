@@ -14,7 +14,7 @@
 #ifndef KVSAN_CAPI_H
 #define KVSAN_CAPI_H
 
-#define KVSAN_CAPI_ABI 2
+#define KVSAN_CAPI_ABI 3
 
 typedef struct {
     int abi;
@@ -40,6 +40,8 @@ typedef struct {
     /* Table.snapshot into ``out`` (one entry per block: ref << 1 | linked,
      * -1 for a null block): 1 done, 0 not simple (the method's None), -1 error */
     int (*snapshot)(PyObject *t, PyObject *blocks, PyObject *pool, long long *out);
+    /* that snapshot of ``k`` blocks as Table.snapshot's list */
+    PyObject *(*snapshot_list)(const long long *snap, Py_ssize_t k);
 } KvsanShadowAPI;
 
 #define KVSAN_FRAMES_CAPSULE "kvsan._frames._C_API"

@@ -123,6 +123,63 @@ failed:
     return NULL;
 }
 
+/* the guard's buffers: the slot mapping (``slots``: int64 or int32 items,
+ * possibly a strided row) and the tables lut / fill / sealed (covering the
+ * same pool of at least one block), in ``b`` (released by guard_release);
+ * -1 with ValueError naming what is wrong */
+typedef struct {
+    Py_buffer sb, lb, fb, mb;
+    int have; /* how many of the four were taken, in that order */
+} GuardBuffers;
+
+static void
+guard_release(GuardBuffers *b)
+{
+    Py_buffer *all[4] = {&b->sb, &b->lb, &b->fb, &b->mb};
+    for (int i = 0; i < b->have; i++) {
+        PyBuffer_Release(all[i]);
+    }
+    b->have = 0;
+}
+
+static int
+guard_buffers(PyObject *slots, PyObject *lut, PyObject *fill, PyObject *sealed,
+              GuardBuffers *b)
+{
+    b->have = 0;
+    if (get_1d(slots, &b->sb, 0, 0, "slots") < 0) {
+        return -1;
+    }
+    b->have = 1;
+    const char *fmt = (b->sb.format && *b->sb.format)
+                          ? b->sb.format + strlen(b->sb.format) - 1 : "B";
+    if ((b->sb.itemsize != 8 && b->sb.itemsize != 4) || strchr("qli", *fmt) == NULL) {
+        PyErr_SetString(PyExc_ValueError, "slots: int64 or int32 items are needed");
+        goto fail;
+    }
+    if (get_1d(lut, &b->lb, 0, 4, "lut") < 0) {
+        goto fail;
+    }
+    b->have = 2;
+    if (get_1d(fill, &b->fb, 1, 4, "fill") < 0) {
+        goto fail;
+    }
+    b->have = 3;
+    if (get_1d(sealed, &b->mb, 0, 1, "sealed") < 0) {
+        goto fail;
+    }
+    b->have = 4;
+    Py_ssize_t nb = b->lb.shape[0];
+    if (b->fb.shape[0] != nb || b->mb.shape[0] != nb || nb == 0) {
+        PyErr_SetString(PyExc_ValueError, "lut, fill and sealed must cover the same pool");
+        goto fail;
+    }
+    return 0;
+fail:
+    guard_release(b);
+    return -1;
+}
+
 /* guard(slots, writers, counts, lut, fill, sealed, block_size)
  *   slots:   int64 or int32 array, the step's slot mapping (padding < 0)
  *   writers: list of the writing requests' ints, counts: tokens of each
@@ -148,35 +205,11 @@ guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_ValueError, "block_size must be positive");
         return NULL;
     }
-    Py_buffer sb, lb, fb, mb;
+    GuardBuffers gb = {.have = 0};
     PyObject *writers = NULL, *counts = NULL, *out = NULL;
     int64_t *w = NULL, *c = NULL;
-    int have_s = 0, have_l = 0, have_f = 0, have_m = 0;
 
-    if (get_1d(args[0], &sb, 0, 0, "slots") < 0) {
-        goto done;
-    }
-    have_s = 1;
-    const char *fmt = (sb.format && *sb.format) ? sb.format + strlen(sb.format) - 1 : "B";
-    if ((sb.itemsize != 8 && sb.itemsize != 4) || strchr("qli", *fmt) == NULL) {
-        PyErr_SetString(PyExc_ValueError, "slots: int64 or int32 items are needed");
-        goto done;
-    }
-    if (get_1d(args[3], &lb, 0, 4, "lut") < 0) {
-        goto done;
-    }
-    have_l = 1;
-    if (get_1d(args[4], &fb, 1, 4, "fill") < 0) {
-        goto done;
-    }
-    have_f = 1;
-    if (get_1d(args[5], &mb, 0, 1, "sealed") < 0) {
-        goto done;
-    }
-    have_m = 1;
-    Py_ssize_t nb = lb.shape[0];
-    if (fb.shape[0] != nb || mb.shape[0] != nb || nb == 0) {
-        PyErr_SetString(PyExc_ValueError, "lut, fill and sealed must cover the same pool");
+    if (guard_buffers(args[0], args[3], args[4], args[5], &gb) < 0) {
         goto done;
     }
     writers = PySequence_Fast(args[1], "writers must be a sequence");
@@ -206,21 +239,18 @@ guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         total += c[r];
     }
-    if (total > sb.shape[0]) {
+    if (total > gb.sb.shape[0]) {
         PyErr_Format(PyExc_ValueError, "%lld tokens scheduled, %zd slots mapped",
-                     (long long)total, sb.shape[0]);
+                     (long long)total, gb.sb.shape[0]);
         goto done;
     }
-    out = guard_core(&sb, w, c, nreq, &lb, &fb, &mb, bs);
+    out = guard_core(&gb.sb, w, c, nreq, &gb.lb, &gb.fb, &gb.mb, bs);
 done:
     PyMem_Free(w);
     PyMem_Free(c);
     Py_XDECREF(writers);
     Py_XDECREF(counts);
-    if (have_s) PyBuffer_Release(&sb);
-    if (have_l) PyBuffer_Release(&lb);
-    if (have_f) PyBuffer_Release(&fb);
-    if (have_m) PyBuffer_Release(&mb);
+    guard_release(&gb);
     return out;
 }
 
@@ -230,7 +260,7 @@ done:
  * (interned at import) */
 enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
        G_COUNTERS, G_GUARDED, G_DATA_PTR, G_N };
-static const char *g_names[G_N] = {"_pending_guard", "_may_defer", "step_hits", "_last_batch",
+static const char *g_names[G_N] = {"pending_guard", "_may_defer", "step_hits", "_last_batch",
                                    "_slots_view", "_np", "block_size", "counters",
                                    "guarded_tokens", "data_ptr"};
 static PyObject *g_str[G_N];
@@ -264,8 +294,9 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *dc = args[0], *sm = args[1], *rids = args[2];
     PyObject *o[G_N] = {NULL};
     PyObject *ptr = NULL, *out = NULL;
-    Py_buffer cb, sb, lb, fb, mb;
-    int have_c = 0, have_s = 0, have_l = 0, have_f = 0, have_m = 0;
+    Py_buffer cb;
+    GuardBuffers gb = {.have = 0};
+    int have_c = 0;
     int64_t *w = NULL, *c = NULL;
     int common = 0; /* 1: the common case, applied (out set) */
 
@@ -368,28 +399,9 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (total == 0) {
         goto done; /* (the hits' check runs there) */
     }
-    if (get_1d(PyTuple_GET_ITEM(view, 2), &sb, 0, 0, "slots") < 0) {
-        goto done;
-    }
-    have_s = 1;
-    const char *sf = (sb.format && *sb.format) ? sb.format + strlen(sb.format) - 1 : "B";
-    if ((sb.itemsize != 8 && sb.itemsize != 4) || strchr("qli", *sf) == NULL
-        || total > sb.shape[0]) {
-        goto done;
-    }
-    if (get_1d(PyTuple_GET_ITEM(np, 0), &lb, 0, 4, "lut") < 0) {
-        goto done;
-    }
-    have_l = 1;
-    if (get_1d(PyTuple_GET_ITEM(np, 1), &fb, 1, 4, "fill") < 0) {
-        goto done;
-    }
-    have_f = 1;
-    if (get_1d(PyTuple_GET_ITEM(np, 2), &mb, 0, 1, "sealed") < 0) {
-        goto done;
-    }
-    have_m = 1;
-    if (fb.shape[0] != lb.shape[0] || mb.shape[0] != lb.shape[0] || lb.shape[0] == 0) {
+    if (guard_buffers(PyTuple_GET_ITEM(view, 2), PyTuple_GET_ITEM(np, 0),
+                      PyTuple_GET_ITEM(np, 1), PyTuple_GET_ITEM(np, 2), &gb) < 0
+        || total > gb.sb.shape[0]) {
         goto done;
     }
     /* from here on the step is guarded: a failure is kvsan's own (raised) */
@@ -411,7 +423,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (r < 0) {
         goto done;
     }
-    out = guard_core(&sb, w, c, n, &lb, &fb, &mb, bs);
+    out = guard_core(&gb.sb, w, c, n, &gb.lb, &gb.fb, &gb.mb, bs);
 done:
     if (!common && out == NULL) { /* not the common case: DeviceChecker.guard's */
         PyErr_Clear();
@@ -420,10 +432,7 @@ done:
     PyMem_Free(w);
     PyMem_Free(c);
     if (have_c) PyBuffer_Release(&cb);
-    if (have_s) PyBuffer_Release(&sb);
-    if (have_l) PyBuffer_Release(&lb);
-    if (have_f) PyBuffer_Release(&fb);
-    if (have_m) PyBuffer_Release(&mb);
+    guard_release(&gb);
     for (int i = 0; i < G_N; i++) {
         Py_XDECREF(o[i]);
     }

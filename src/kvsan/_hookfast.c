@@ -484,17 +484,13 @@ snap_as_list(PyObject **snap, const long long *csnap, Py_ssize_t k)
     if (csnap == NULL || *snap != Py_True) {
         return 0; /* already the list */
     }
-    PyObject *out = PyList_New(k);
+    /* (an array is only made through sapi, and the module stays loaded) */
+    PyObject *out = sapi != NULL ? sapi->snapshot_list(csnap, k) : NULL;
     if (out == NULL) {
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < k; i++) {
-        PyObject *v = csnap[i] < 0 ? Py_NewRef(Py_None) : PyLong_FromLongLong(csnap[i]);
-        if (v == NULL) {
-            Py_DECREF(out);
-            return -1;
+        if (!PyErr_Occurred()) {
+            PyErr_SetString(PyExc_RuntimeError, "kvsan._hookfast: the snapshot has no list");
         }
-        PyList_SET_ITEM(out, i, v);
+        return -1;
     }
     Py_SETREF(*snap, out);
     return 0;

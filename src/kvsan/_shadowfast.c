@@ -2189,7 +2189,7 @@ PyInit__shadowfast(void)
         return NULL;
     }
     static KvsanShadowAPI api = {KVSAN_CAPI_ABI, &TableType, allocate_impl, capi_share,
-                                 capi_release, cache_impl, capi_snapshot};
+                                 capi_release, cache_impl, capi_snapshot, snapshot_list};
     PyObject *cap = PyCapsule_New(&api, KVSAN_SHADOW_CAPSULE, NULL);
     if (cap == NULL || PyModule_AddObject(m, "_C_API", cap) < 0) {
         Py_XDECREF(cap);

@@ -192,8 +192,9 @@ class DeviceChecker:
         #: a guard whose slot mapping is still being copied from the device:
         #: (host buffer, copy-done event or None, writer ints, tokens per
         #: writer, total); checked by :meth:`_settle`, at the latest when the
-        #: step ends (:meth:`seal`), so the copy never stalls the step
-        self._pending_guard: tuple | None = None
+        #: step ends (:meth:`seal`), so the copy never stalls the step.  Read
+        #: by the worker adapter after every forward (as ``pending_sums``)
+        self.pending_guard: tuple | None = None
         #: whether a guard over a slot mapping in device memory is deferred
         #: (None: where the slot mapping is on a CUDA device)
         self._defer_guard = defer_guard
@@ -248,7 +249,7 @@ class DeviceChecker:
         #: follow its history: a sealing's before a later verification's, an
         #: earlier sealing's before a re-sealing's (which replaces it); a
         #: verification of a block unsealed since is compared with nothing.
-        self._pending_sums: list = []
+        self.pending_sums: list = []
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0}
 
@@ -337,7 +338,7 @@ class DeviceChecker:
                     del holders[b]
         me = self._rid_int.get(rid)
         if me is not None:  # no longer its producer
-            if self._pending_guard is not None:
+            if self.pending_guard is not None:
                 self._settle()
             self._unproduce(me, gone)
 
@@ -365,7 +366,7 @@ class DeviceChecker:
             lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
 
     def drop_request(self, rid: str) -> None:
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         me = self._rid_int.pop(rid, None)
         blocks = self.req_blocks.pop(rid, ())
@@ -392,7 +393,7 @@ class DeviceChecker:
         applied first: a block allocated and cached for one request may be
         hit by another in the same step (legal), but must not still be held
         from an earlier step.  Returns (hits as (rid, block), fresh blocks)."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         if not adds:  # most decode steps: no request got a block
             return [], []
@@ -454,7 +455,7 @@ class DeviceChecker:
 
     # -- sealing --------------------------------------------------------------
     def _unseal(self, blocks: list[int]) -> None:
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         for b in blocks:
             self.sealed.pop(b, None)
@@ -556,13 +557,13 @@ class DeviceChecker:
         if got.is_cuda:
             host = torch.empty(got.shape, dtype=got.dtype, pin_memory=True)
             event, got = _copy_back(host, got), host
-        self._pending_sums.append([kind, blocks, whys, got, event, self.step()])
+        self.pending_sums.append([kind, blocks, whys, got, event, self.step()])
 
     def _drain(self, wait: bool = False) -> None:
         """Take up the checksums that have arrived (all of them, waiting,
         with ``wait``), in the order they were queued: a block's sealing
         before its verification."""
-        pending = self._pending_sums
+        pending = self.pending_sums
         while pending:
             kind, blocks, whys, host, event, step = pending[0]
             if event is not None:
@@ -582,7 +583,7 @@ class DeviceChecker:
     def flush(self) -> None:
         """Check everything still on its way: a deferred write guard, and
         checksums being copied from the device (waits for them)."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         self._drain(wait=True)
 
@@ -628,9 +629,9 @@ class DeviceChecker:
     def seal(self, layers: Sequence[torch.Tensor]) -> None:
         """After a step executed: its freshly cached blocks are now written
         (and the step's deferred write guard, if any, is checked)."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
-        if self._pending_sums:
+        if self.pending_sums:
             self._drain()
         pending = self.pending_seal
         if not pending:
@@ -703,7 +704,7 @@ class DeviceChecker:
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies run before the forward: dst holds src's slots."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         if pairs:
             self._put(1, [d for _, d in pairs], self._read(1, [s for s, _ in pairs]))
@@ -712,7 +713,7 @@ class DeviceChecker:
         """Prefix hits served this step: whether they are written at all is
         checked by :meth:`check_hits_written` once the step's slot mapping
         is known; whether they are intact, by :meth:`verify_step`."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         self.step_hits = list(hits)
 
@@ -743,9 +744,9 @@ class DeviceChecker:
         reads them) and the sampled ones (round robin, see
         :data:`SAMPLE_BATCH_STEPS`; every sealed block every step with
         ``all``)."""
-        if self._pending_sums:
+        if self.pending_sums:
             self._drain()
-        if self.checksum == "off" or not (self.sums or self._pending_sums):
+        if self.checksum == "off" or not (self.sums or self.pending_sums):
             return
         self._tick += 1
         if not hit_blocks and self.checksum != "all" and self._tick % self.SAMPLE_BATCH_STEPS:
@@ -809,7 +810,7 @@ class DeviceChecker:
         mapping is copied into host memory asynchronously and checked when
         the step ends (:meth:`_settle`): the reports come at the same step,
         and the copy never waits for the device's queued work."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         total = int(sum(tokens_per_req))
         if total == 0:
@@ -841,7 +842,7 @@ class DeviceChecker:
         if not defer or self._np is None:
             return False
         buf = self._slot_buf(slot_mapping.dtype, total)
-        self._pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total)
+        self.pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total)
         return True
 
     def count_writes(self, slot_mapping: torch.Tensor, total: int) -> None:
@@ -852,7 +853,7 @@ class DeviceChecker:
         complete can be sealed and a later hit on one is not taken for an
         unwritten block.  (On a GPU this reads the slot mapping at once: a
         host sync on the steps this happens.)"""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
         if self._defer(slot_mapping, total, None, None):  # counted when the copy is in
             return
@@ -881,27 +882,19 @@ class DeviceChecker:
                 n, dtype=dtype, pin_memory=torch.cuda.is_available())
         return buf[:total]
 
-    def guard_pending(self) -> bool:
-        """Whether a deferred write guard waits for :meth:`settle`."""
-        return self._pending_guard is not None
-
-    def sums_pending(self) -> bool:
-        """Whether checksums are still on their way from the device."""
-        return bool(self._pending_sums)
-
     def settle(self) -> None:
         """Check the deferred write guard now, if one is pending."""
-        if self._pending_guard is not None:
+        if self.pending_guard is not None:
             self._settle()
 
     def _settle(self) -> None:
         """Check the deferred guard, if one is pending (waiting, at most,
         for its slot mapping's copy: queued before the step's forward, it
         is done long before the step ends)."""
-        pending = self._pending_guard
+        pending = self.pending_guard
         if pending is None:
             return
-        self._pending_guard = None
+        self.pending_guard = None
         buf, event, ids, counts, total = pending
         if event is not None:
             event.synchronize()
@@ -913,14 +906,7 @@ class DeviceChecker:
 
     def _check_writes(self, slot_mapping: torch.Tensor, ids: list[int], counts: list[int],
                       total: int) -> None:
-        if self._fast is None:
-            host = None
-        else:  # :meth:`_host_slots`, its kept view read inline (once per step)
-            last = self._slots_view
-            host = last[2]
-            if last[0] is not slot_mapping or host is None or len(host) < total \
-                    or last[1] != slot_mapping.data_ptr():
-                host = self._host_slots(slot_mapping, total)
+        host = self._host_slots(slot_mapping, total) if self._fast is not None else None
         if host is not None:  # one C loop over host memory
             bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
         else:  # torch ops, on the tables' device (on a CPU device: the same memory)

@@ -305,12 +305,11 @@ def _execute_model(wrapped, instance, args, kwargs):
             # before the next execute_model, so the step is sealed there
             # (or at shutdown), with no hook of its own on the step's path.
             # Most steps cache no block: then there is nothing to seal.
-            # (sums_pending() and guard_pending(), read inline: every step)
-            if dc.pending_seal or dc._pending_sums:
+            if dc.pending_seal or dc.pending_sums:
                 _unsealed[id(instance)] = (weakref.ref(instance), dc, got[1])
             # the step's write guard is still reported in the step (on a GPU
             # its slot mapping's copy was queued before the forward)
-            if dc._pending_guard is not None:
+            if dc.pending_guard is not None:
                 _dguard(rt, "execute_model.guard", dc.settle)
         else:
             _dguard(rt, "execute_model.seal", dc.seal, got[1])
