@@ -738,7 +738,10 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
         if (r < 0) {
             return -1;
         }
-        return dict_add(t->held, owner, k);
+        PyObject *kv = PyLong_FromSsize_t(k); /* (not there: no lookup first) */
+        r = kv == NULL ? -1 : PyDict_SetItem(t->held, owner, kv);
+        Py_XDECREF(kv);
+        return r;
     }
     if (sign < 0 && had != NULL && n == k) { /* _unhold of its last references */
         if (PyDict_DelItem(t->held, owner) < 0) {
@@ -763,7 +766,11 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
     if (sign > 0 ? n <= 0 : n <= k) {
         return call_shadow(t, sign > 0 ? K_HOLD : K_UNHOLD, owner, k);
     }
-    return dict_add(t->held, owner, sign > 0 ? k : -k);
+    /* n > 0: ``had`` is an int (dict_add's sum, without its second lookup) */
+    PyObject *nv = PyLong_FromSsize_t(sign > 0 ? n + k : n - k);
+    int r = nv == NULL ? -1 : PyDict_SetItem(t->held, owner, nv);
+    Py_XDECREF(nv);
+    return r;
 }
 
 /* shadow.site_id(site): a known site is a dict lookup, anything else goes
@@ -1165,10 +1172,19 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
             if (key == NULL) {
                 goto error_nomarks;
             }
-            /* held across the allocation below (a collection may run) */
-            PyObject *extra = Py_XNewRef(PyDict_GetItemWithError(t->more, key));
+            /* the first further owner goes in with the lookup itself (one
+             * hash lookup, not two); an entry already there is held across
+             * the allocation below (a collection may run) */
+            Py_ssize_t had = PyDict_GET_SIZE(t->more);
+            PyObject *got = PyDict_SetDefault(t->more, key, owner); /* borrowed */
+            PyObject *extra = got != NULL && PyDict_GET_SIZE(t->more) == had ? Py_NewRef(got)
+                                                                              : NULL;
             int r;
-            if (extra != NULL && PyList_CheckExact(extra)) {
+            if (got == NULL) {
+                r = -1;
+            } else if (extra == NULL) {
+                r = 0; /* the first further owner, now in */
+            } else if (PyList_CheckExact(extra)) {
                 r = PyList_Append(extra, owner);
             } else if (extra != NULL) { /* a second further owner: a list of both */
                 PyObject *lst = PyList_New(2);
@@ -1184,10 +1200,6 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
                     r = PyDict_SetItem(t->more, key, lst);
                     Py_DECREF(lst);
                 }
-            } else if (PyErr_Occurred()) {
-                r = -1;
-            } else {
-                r = PyDict_SetItem(t->more, key, owner);
             }
             Py_XDECREF(extra);
             Py_DECREF(key);
