@@ -132,6 +132,14 @@ typedef struct {
     int have; /* how many of the four were taken, in that order */
 } GuardBuffers;
 
+/* whether a buffer's items are int32 or int64 (its format's last letter) */
+static int
+int_items(const Py_buffer *v)
+{
+    const char *fmt = (v->format && *v->format) ? v->format + strlen(v->format) - 1 : "B";
+    return (v->itemsize == 8 || v->itemsize == 4) && strchr("qli", *fmt) != NULL;
+}
+
 static void
 guard_release(GuardBuffers *b)
 {
@@ -151,9 +159,7 @@ guard_buffers(PyObject *slots, PyObject *lut, PyObject *fill, PyObject *sealed,
         return -1;
     }
     b->have = 1;
-    const char *fmt = (b->sb.format && *b->sb.format)
-                          ? b->sb.format + strlen(b->sb.format) - 1 : "B";
-    if ((b->sb.itemsize != 8 && b->sb.itemsize != 4) || strchr("qli", *fmt) == NULL) {
+    if (!int_items(&b->sb)) {
         PyErr_SetString(PyExc_ValueError, "slots: int64 or int32 items are needed");
         goto fail;
     }
@@ -365,9 +371,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     have_c = 1;
-    const char *cf = (cb.format && *cb.format) ? cb.format + strlen(cb.format) - 1 : "B";
-    if (cb.ndim != 1 || cb.shape[0] < n || (cb.itemsize != 8 && cb.itemsize != 4)
-        || strchr("qli", *cf) == NULL) {
+    if (cb.ndim != 1 || cb.shape[0] < n || !int_items(&cb)) {
         goto done;
     }
     w = PyMem_Malloc(sizeof(int64_t) * (n + 1));
