@@ -42,13 +42,13 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 7
+#define KVSAN_HOOKFAST_ABI 8
 
 #include "_capi.h"
 #include <structmember.h>
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
-       K_SKIP = 6, K_N = 7 };
+       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_N = 9 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -73,6 +73,13 @@ static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_f
     *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
     *s_requests, *s_req_to_blocks, *s_kv_cache_group_id, *s_is_null, *s_dropped, *s_block_id,
     *s_remove_blocks, *zero;
+/* the worker side's (K_STEP, K_GUARD) */
+static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
+    *s_scheduled_new_reqs, *s_kv_cache_block_copies, *s_step_hits, *s_pending_sums,
+    *s_scheduled_cached_reqs, *s_resumed_req_ids, *s_new_block_ids, *s_poison_on,
+    *s_checksum, *s_sums, *s__tick, *s_SAMPLE_BATCH_STEPS, *s_pending_seal, *s_pending_guard,
+    *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
+    *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where;
 
 typedef struct {
     PyObject_HEAD
@@ -211,24 +218,37 @@ calibrate(void)
  * takes its unflushed time with it. */
 static PyObject *ov_ref = NULL;
 static double ov_pending = 0.0;
+/* the worker side's share of it (K_STEP, K_GUARD), also added to the
+ * runtime's ``device_s`` */
+static double dv_pending = 0.0;
+
+/* rt.<name> += dt */
+static int
+add_to_attr(PyObject *rt, PyObject *name, double dt)
+{
+    PyObject *old = PyObject_GetAttr(rt, name);
+    double v = old == NULL ? -1.0 : PyFloat_AsDouble(old);
+    Py_XDECREF(old);
+    PyObject *new = (v == -1.0 && PyErr_Occurred()) ? NULL : PyFloat_FromDouble(v + dt);
+    int r = new == NULL ? -1 : PyObject_SetAttr(rt, name, new);
+    Py_XDECREF(new);
+    return r;
+}
 
 static int
 flush(void)
 {
     PyObject *rt = ov_ref != NULL ? PyWeakref_GET_OBJECT(ov_ref) : Py_None;
-    if (rt == Py_None || ov_pending == 0.0) {
-        ov_pending = 0.0;
+    double dt = ov_pending, dv = dv_pending;
+    ov_pending = dv_pending = 0.0;
+    if (rt == Py_None || (dt == 0.0 && dv == 0.0)) {
         return 0;
     }
     Py_INCREF(rt);
-    double dt = ov_pending;
-    ov_pending = 0.0;
-    PyObject *old = PyObject_GetAttr(rt, s_overhead_s);
-    double v = old == NULL ? -1.0 : PyFloat_AsDouble(old);
-    Py_XDECREF(old);
-    PyObject *new = (v == -1.0 && PyErr_Occurred()) ? NULL : PyFloat_FromDouble(v + dt);
-    int r = new == NULL ? -1 : PyObject_SetAttr(rt, s_overhead_s, new);
-    Py_XDECREF(new);
+    int r = dt != 0.0 ? add_to_attr(rt, s_overhead_s, dt) : 0;
+    if (r == 0 && dv != 0.0) {
+        r = add_to_attr(rt, s_device_s, dv);
+    }
     Py_DECREF(rt);
     return r;
 }
@@ -1069,6 +1089,345 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     return ret;
 }
 
+/* ---- the worker side (kvsan.hooks.vllm_worker): the V1 runner's step ---- */
+
+/* a worker-side call's own time: also the runtime's ``device_s`` */
+static void
+took_device(Hook *h, PyObject *rt, double dt)
+{
+    took(h, rt, dt); /* (add_overhead made ov_ref this runtime's) */
+    if (dt > 0.0 && ov_ref != NULL && PyWeakref_GET_OBJECT(ov_ref) == rt) {
+        dv_pending += dt;
+    }
+}
+
+/* the truth of ``obj.name`` (a missing attribute counts as false where
+ * ``optional``, as getattr(obj, name, None) does): 1, 0, -1 error */
+static int
+attr_truth(PyObject *obj, PyObject *name, int optional)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL) {
+        if (optional && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            return 0;
+        }
+        return -1;
+    }
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+/* the truth of ``d[key]`` for a dict (``optional``: d.get(key) ... ),
+ * -1 with an exception (a missing key that is not optional included) */
+static int
+item_truth(PyObject *d, PyObject *key, int optional)
+{
+    PyObject *v = PyDict_GetItemWithError(d, key); /* borrowed */
+    if (v == NULL) {
+        if (!PyErr_Occurred() && !optional) {
+            PyErr_SetObject(PyExc_KeyError, key);
+        }
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    return PyObject_IsTrue(v);
+}
+
+/* the checker of ``runner`` from vllm_worker's one-entry cache
+ * ``[weak ref to the runner, checker]`` (borrowed), or NULL */
+static PyObject *
+last_checker(PyObject *last, PyObject *runner)
+{
+    if (!PyList_CheckExact(last) || PyList_GET_SIZE(last) != 2) {
+        return NULL;
+    }
+    PyObject *ref = PyList_GET_ITEM(last, 0), *dc = PyList_GET_ITEM(last, 1);
+    if (!PyWeakref_Check(ref) || PyWeakref_GET_OBJECT(ref) != runner || dc == Py_None) {
+        return NULL;
+    }
+    return dc;
+}
+
+/* A quiet step begun as kvsan.hooks.vllm_worker.begin_step begins it: the
+ * scheduler's output hands the worker view nothing to apply (no request
+ * finished, preempted, new or resumed, no new block, no copy, nothing
+ * cached, uncached or dropped, nothing to poison), no prefix hit is
+ * pending and no checksum is due.  1 begun (rt.step and the checker's
+ * sampling tick set, nothing else changed), 0 not quiet (nothing
+ * changed), -1 error (nothing changed).  The conditions are all read
+ * before anything is set. */
+static int
+quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
+{
+    int r = -1;
+    PyObject *payload = NULL, *cr = NULL, *news = NULL, *checksum = NULL, *tick = NULL,
+             *batch = NULL, *newtick = NULL;
+    payload = PyObject_GetAttr(so, s_kvsan);
+    if (payload == NULL || !PyDict_CheckExact(payload)) {
+        PyErr_Clear(); /* no payload (the Python hook counts steps itself) */
+        r = 0;
+        goto done;
+    }
+    PyObject *step = PyDict_GetItemWithError(payload, s_step); /* borrowed */
+    if (step == NULL || !PyLong_CheckExact(step)) {
+        r = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    /* what the scheduler sent: each test as begin_step makes it */
+    struct { PyObject *obj; PyObject *name; int optional; int dict; } busy[] = {
+        {so, s_finished_req_ids, 0, 0},  {so, s_preempted_req_ids, 1, 0},
+        {payload, s_reset, 0, 1},        {payload, s_uncached, 0, 1},
+        {payload, s_dropped, 1, 1},      {so, s_scheduled_new_reqs, 0, 0},
+        {so, s_kv_cache_block_copies, 1, 0}, {payload, s_cached, 0, 1},
+        {dc, s_step_hits, 0, 0},         {dc, s_pending_sums, 0, 0},
+    };
+    for (size_t i = 0; i < sizeof(busy) / sizeof(busy[0]); i++) {
+        int t = busy[i].dict ? item_truth(busy[i].obj, busy[i].name, busy[i].optional)
+                             : attr_truth(busy[i].obj, busy[i].name, busy[i].optional);
+        if (t != 0) {
+            r = t < 0 ? -1 : 0;
+            goto done;
+        }
+    }
+    if ((cr = PyObject_GetAttr(so, s_scheduled_cached_reqs)) == NULL) {
+        goto done;
+    }
+    int t = attr_truth(cr, s_resumed_req_ids, 0);
+    if (t != 0) {
+        r = t < 0 ? -1 : 0;
+        goto done;
+    }
+    if ((news = PyObject_GetAttr(cr, s_new_block_ids)) == NULL) {
+        goto done;
+    }
+    if (!PyList_CheckExact(news)) {
+        r = 0;
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(news); i++) {
+        if (PyList_GET_ITEM(news, i) != Py_None) {
+            r = 0; /* a running request has a new block */
+            goto done;
+        }
+    }
+    t = attr_truth(dc, s_poison_on, 0);
+    if (t != 0) {
+        if (t < 0 || (t = item_truth(payload, s_freed, 0)) != 0) {
+            r = t < 0 ? -1 : 0; /* blocks to poison */
+            goto done;
+        }
+    }
+    /* verify_step: quiet unless a sampled batch is due (or every block
+     * every step: "all") */
+    if ((checksum = PyObject_GetAttr(dc, s_checksum)) == NULL) {
+        goto done;
+    }
+    if (!PyUnicode_Check(checksum)) {
+        r = 0;
+        goto done;
+    }
+    int off = PyUnicode_CompareWithASCIIString(checksum, "off") == 0;
+    int sums = off ? 0 : attr_truth(dc, s_sums, 0);
+    if (sums < 0) {
+        goto done;
+    }
+    if (sums) {
+        if (PyUnicode_CompareWithASCIIString(checksum, "all") == 0) {
+            r = 0;
+            goto done;
+        }
+        if ((tick = PyObject_GetAttr(dc, s__tick)) == NULL
+            || (batch = PyObject_GetAttr(dc, s_SAMPLE_BATCH_STEPS)) == NULL) {
+            goto done;
+        }
+        long long k = PyLong_CheckExact(tick) ? PyLong_AsLongLong(tick) : -1;
+        long long every = PyLong_CheckExact(batch) ? PyLong_AsLongLong(batch) : -1;
+        if (k < 0 || every <= 0 || (k + 1) % every == 0) {
+            r = PyErr_Occurred() ? -1 : 0; /* (a batch is due: Python samples it) */
+            goto done;
+        }
+        if ((newtick = PyLong_FromLongLong(k + 1)) == NULL) {
+            goto done;
+        }
+    }
+    /* begun: the step first (set again, to the same, if the tick fails) */
+    if (PyObject_SetAttr(rt, s_step, step) < 0
+        || (newtick != NULL && PyObject_SetAttr(dc, s__tick, newtick) < 0)) {
+        goto done;
+    }
+    r = 1;
+done:
+    Py_XDECREF(payload);
+    Py_XDECREF(cr);
+    Py_XDECREF(news);
+    Py_XDECREF(checksum);
+    Py_XDECREF(tick);
+    Py_XDECREF(batch);
+    Py_XDECREF(newtick);
+    return r;
+}
+
+/* K_STEP: the V1 runner's ``execute_model(scheduler_output,
+ * intermediate_tensors=None)``.  A quiet step (see quiet_begin: most
+ * decode steps) is begun here, without the Python hook's frames; vLLM's
+ * method runs; what follows it (a seal, a deferred guard) goes to
+ * ``h->post(rt, runner, checker, result)`` when the checker has any.  Any
+ * other step -- a busy one, the runner's first, a previous step left
+ * unsealed, another runtime, a failure of ours -- goes to the Python hook
+ * whole, before vLLM's method runs.  ``h->state`` is set by the Python
+ * hook once it began a step: (weak ref to the runtime, vllm_worker's
+ * one-entry checker cache [weak ref to the runner, checker], its dict of
+ * unsealed steps). */
+static PyObject *
+step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *st = h->state;
+    if (st == Py_None || nargs < 2 || nargs > 3 || kwnames != NULL
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
+        || PyDict_GET_SIZE(PyTuple_GET_ITEM(st, 2)) != 0) {
+        return SLOW();
+    }
+    PyObject *dc = last_checker(PyTuple_GET_ITEM(st, 1), args[0]);
+    if (dc == NULL) {
+        return SLOW();
+    }
+    Py_INCREF(rt);
+    Py_INCREF(dc);
+    PyObject *runner = Py_NewRef(args[0]);
+    double t0 = now();
+    int q = quiet_begin(rt, dc, args[1]);
+    if (q <= 0) {
+        PyErr_Clear(); /* the Python hook meets (and guards) the same */
+        PyObject *ret = SLOW();
+        Py_DECREF(runner);
+        Py_DECREF(dc);
+        Py_DECREF(rt);
+        return ret;
+    }
+    took_device(h, rt, now() - t0);
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) {
+        t0 = now();
+        int rest = attr_truth(dc, s_pending_seal, 0);
+        if (rest == 0) {
+            rest = attr_truth(dc, s_pending_sums, 0);
+        }
+        if (rest == 0) {
+            PyObject *g = PyObject_GetAttr(dc, s_pending_guard);
+            rest = g == NULL ? -1 : g != Py_None;
+            Py_XDECREF(g);
+        }
+        if (rest < 0) {
+            PyErr_Clear(); /* the Python half reads them again */
+        }
+        took_device(h, rt, now() - t0);
+        if (rest) {
+            PyObject *argv[4] = {rt, runner, dc, ret};
+            PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
+            if (r == NULL) { /* a violation raised (raise / abort mode) */
+                Py_CLEAR(ret);
+            } else {
+                Py_DECREF(r);
+            }
+        }
+    }
+    Py_DECREF(runner);
+    Py_DECREF(dc);
+    Py_DECREF(rt);
+    return ret;
+}
+
+/* K_GUARD: the V1 runner's ``_prepare_inputs(scheduler_output,
+ * num_scheduled_tokens)``, after vLLM's method ran: the step's write
+ * guard on the slot mapping it filled, through kvsan._devicefast's
+ * guard_step (the common step in one call).  ``h->post(rt, runner,
+ * num_scheduled_tokens, got)`` does the rest in Python: ``got`` False,
+ * nothing was done here (no checker in the cache, a layout of another
+ * vLLM: the Python hook's whole guard); None, guard_step declined the
+ * step (DeviceChecker.guard); a list, the writes it found to report.
+ * ``h->state``: (weak ref to the runtime, vllm_worker's one-entry checker
+ * cache, guard_step). */
+static PyObject *
+guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *st = h->state;
+    if (st == Py_None || nargs != 3 || kwnames != NULL
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt) {
+        return SLOW();
+    }
+    Py_INCREF(rt);
+    Py_INCREF(st); /* the call may replace it */
+    PyObject *runner = Py_NewRef(args[0]), *counts = Py_NewRef(args[2]);
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret == NULL) {
+        goto out;
+    }
+    double t0 = now();
+    PyObject *got = NULL; /* for the Python half; NULL: nothing to do there */
+    int own_failure = 0;
+    PyObject *dc = last_checker(PyTuple_GET_ITEM(st, 1), runner); /* borrowed */
+    PyObject *batch = NULL, *n = NULL, *bt = NULL, *tables = NULL, *table = NULL, *sm = NULL,
+             *slots = NULL, *rids = NULL, *fast = NULL;
+    if (dc == NULL
+        || (batch = PyObject_GetAttr(runner, s_input_batch)) == NULL
+        || (n = PyObject_GetAttr(batch, s_num_reqs)) == NULL
+        || (bt = PyObject_GetAttr(batch, s_block_table)) == NULL
+        || (tables = PyObject_GetAttr(bt, s_block_tables)) == NULL
+        || (table = PySequence_GetItem(tables, 0)) == NULL
+        || (sm = PyObject_GetAttr(table, s_slot_mapping)) == NULL
+        || (slots = PyObject_GetAttr(sm, s_gpu)) == NULL
+        || (rids = PyObject_GetAttr(batch, s_req_ids)) == NULL
+        || (fast = PyObject_GetAttr(dc, s__fast)) == NULL || fast == Py_None) {
+        PyErr_Clear(); /* the Python half meets (and guards) the same */
+        got = Py_NewRef(Py_False);
+    } else {
+        PyObject *argv[6] = {fast, dc, slots, rids, n, counts};
+        got = PyObject_VectorcallMethod(s_guard_step, argv, 6 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                        NULL);
+        if (got == NULL) {
+            own_failure = 1; /* kvsan's own, in the guard: guarded below */
+        } else if (got != Py_None && PyList_CheckExact(got) && PyList_GET_SIZE(got) == 0) {
+            Py_CLEAR(got); /* clean */
+        }
+    }
+    PyObject *et, *ev, *etb; /* a failure of ours, set aside while the time is filed */
+    PyErr_Fetch(&et, &ev, &etb);
+    took_device(h, rt, now() - t0);
+    PyErr_Restore(et, ev, etb);
+    if (own_failure) {
+        if (failed(rt, s_guard_where) < 0) {
+            Py_CLEAR(ret);
+        }
+    } else if (got != NULL) {
+        PyObject *argv[4] = {rt, runner, counts, got};
+        PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
+        if (r == NULL) { /* a violation raised (raise / abort mode) */
+            Py_CLEAR(ret);
+        } else {
+            Py_DECREF(r);
+        }
+    }
+    Py_XDECREF(got);
+    Py_XDECREF(batch);
+    Py_XDECREF(n);
+    Py_XDECREF(bt);
+    Py_XDECREF(tables);
+    Py_XDECREF(table);
+    Py_XDECREF(sm);
+    Py_XDECREF(slots);
+    Py_XDECREF(rids);
+    Py_XDECREF(fast);
+out:
+    Py_DECREF(counts);
+    Py_DECREF(runner);
+    Py_DECREF(st);
+    Py_DECREF(rt);
+    return ret;
+}
+
 static PyObject *
 hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1095,6 +1454,12 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     }
     if (h->kind == K_SKIP) {
         return skip_call(h, rt, args, nargsf, kwnames);
+    }
+    if (h->kind == K_STEP) {
+        return step_call(h, rt, args, nargsf, kwnames);
+    }
+    if (h->kind == K_GUARD) {
+        return guard_call(h, rt, args, nargsf, kwnames);
     }
     /* which calls this route takes: the shapes vLLM 0.32 makes */
     PyObject *blocks = NULL, *lo = NULL, *hi = NULL, *request = NULL;
@@ -1421,10 +1786,18 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
         ok &= PyLong_CheckExact(PyTuple_GET_ITEM(value, 6))
               && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
     }
+    if (!ok && (h->kind == K_STEP || h->kind == K_GUARD) && PyTuple_CheckExact(value)
+        && PyTuple_GET_SIZE(value) == 3) {
+        PyObject *third = PyTuple_GET_ITEM(value, 2);
+        ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
+             && PyList_CheckExact(PyTuple_GET_ITEM(value, 1))
+             && (h->kind == K_STEP ? PyDict_CheckExact(third) : third == Py_None);
+    }
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
-                        "state: None, or for an END hook (weak ref, weak ref, dict, dict, dict, "
-                        "dict, int, tuple)");
+                        "state: None; for an END hook (weak ref, weak ref, dict, dict, dict, "
+                        "dict, int, tuple); for a STEP hook (weak ref, list, dict); for a GUARD "
+                        "hook (weak ref, list, None)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
@@ -1474,7 +1847,8 @@ static PyGetSetDef hook_getset[] = {
      "identity_hits, [make], the scheduler's requests, the audit)",
      NULL},
     {"state", (getter)hook_get_state, (setter)hook_set_state,
-     "END: the request-end check's state in C (see _request_ended), or None", NULL},
+     "END: the request-end check's state in C (see _request_ended); STEP, GUARD: the "
+     "worker's (see kvsan.hooks.vllm_worker._hand_to_native); or None", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
@@ -1648,6 +2022,35 @@ PyInit__hookfast(void)
     INTERN(s_dropped, "dropped");
     INTERN(s_block_id, "block_id");
     INTERN(s_remove_blocks, "remove_blocks");
+    INTERN(s_kvsan, "kvsan");
+    INTERN(s_reset, "reset");
+    INTERN(s_finished_req_ids, "finished_req_ids");
+    INTERN(s_preempted_req_ids, "preempted_req_ids");
+    INTERN(s_scheduled_new_reqs, "scheduled_new_reqs");
+    INTERN(s_kv_cache_block_copies, "kv_cache_block_copies");
+    INTERN(s_step_hits, "step_hits");
+    INTERN(s_pending_sums, "pending_sums");
+    INTERN(s_scheduled_cached_reqs, "scheduled_cached_reqs");
+    INTERN(s_resumed_req_ids, "resumed_req_ids");
+    INTERN(s_new_block_ids, "new_block_ids");
+    INTERN(s_poison_on, "poison_on");
+    INTERN(s_checksum, "checksum");
+    INTERN(s_sums, "sums");
+    INTERN(s__tick, "_tick");
+    INTERN(s_SAMPLE_BATCH_STEPS, "SAMPLE_BATCH_STEPS");
+    INTERN(s_pending_seal, "pending_seal");
+    INTERN(s_pending_guard, "pending_guard");
+    INTERN(s_device_s, "device_s");
+    INTERN(s_input_batch, "input_batch");
+    INTERN(s_num_reqs, "num_reqs");
+    INTERN(s_block_table, "block_table");
+    INTERN(s_block_tables, "block_tables");
+    INTERN(s_slot_mapping, "slot_mapping");
+    INTERN(s_gpu, "gpu");
+    INTERN(s_req_ids, "req_ids");
+    INTERN(s__fast, "_fast");
+    INTERN(s_guard_step, "guard_step");
+    INTERN(s_guard_where, "_prepare_inputs.guard");
     if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
@@ -1663,7 +2066,9 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "CACHE", K_CACHE) < 0
         || PyModule_AddIntConstant(m, "HITS", K_HITS) < 0
         || PyModule_AddIntConstant(m, "END", K_END) < 0
-        || PyModule_AddIntConstant(m, "SKIP", K_SKIP) < 0) {
+        || PyModule_AddIntConstant(m, "SKIP", K_SKIP) < 0
+        || PyModule_AddIntConstant(m, "STEP", K_STEP) < 0
+        || PyModule_AddIntConstant(m, "GUARD", K_GUARD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -51,8 +51,9 @@ class Target:
     owner: tuple[str, str | None] | None = None
     #: ``(kind, post)``: where ``kvsan._hookfast`` is in use, the method is
     #: replaced by its native ``Hook`` of that kind (``"ALLOCATE"``,
-    #: ``"TOUCH"``, ``"RELEASE"``, ``"CACHE"``, or ``"HITS"`` for the
-    #: identity audit's hit check), which runs ``wrapper`` (via a
+    #: ``"TOUCH"``, ``"RELEASE"``, ``"CACHE"``, ``"HITS"`` for the
+    #: identity audit's hit check, ``"END"`` and ``"SKIP"`` on the scheduler,
+    #: ``"STEP"`` and ``"GUARD"`` on the worker's runner), which runs ``wrapper`` (via a
     #: trampoline) for the calls it does not take and ``post`` (the
     #: wrapper's second half) for the events its clean path declines
     fast: tuple[str, Callable] | None = None
@@ -277,7 +278,7 @@ def use_native(on: bool = True) -> bool:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", 6)
-    hookfast = native.load("_hookfast", 7)
+    hookfast = native.load("_hookfast", 8)
     if hookfast is not None and NATIVE is not None and SHADOWFAST is not None:
         hookfast.configure(vars(_runtime), NATIVE.context, pool_checker, guard_failed)
         HOOKFAST, _HOOK_TYPE = hookfast, hookfast.Hook

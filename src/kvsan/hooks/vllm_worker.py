@@ -27,6 +27,7 @@ import operator
 import weakref
 from time import perf_counter as _perf_counter
 
+from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks.device import DeviceChecker
 from . import Target, guard_failed
@@ -296,24 +297,78 @@ def _execute_model(wrapped, instance, args, kwargs):
         rt.device_s += dt
     ret = wrapped(*args, **kwargs)
     if got is not None:
-        dc = got[0]
-        if ret is None:
-            # vLLM 0.32 finishes the step in sample_tokens, where a drafter
-            # (EAGLE, MTP, a draft model) writes its own layers' KV for this
-            # step's slots: sealed now, a block's checksums would miss those
-            # bytes (a false checksum_mismatch).  vLLM runs sample_tokens
-            # before the next execute_model, so the step is sealed there
-            # (or at shutdown), with no hook of its own on the step's path.
-            # Most steps cache no block: then there is nothing to seal.
-            if dc.pending_seal or dc.pending_sums:
-                _unsealed[id(instance)] = (weakref.ref(instance), dc, got[1])
-            # the step's write guard is still reported in the step (on a GPU
-            # its slot mapping's copy was queued before the forward)
-            if dc.pending_guard is not None:
-                _dguard(rt, "execute_model.guard", dc.settle)
-        else:
-            _dguard(rt, "execute_model.seal", dc.seal, got[1])
+        _step_ends(rt, instance, got[0], got[1], ret)
+        if _hooks.HOOKFAST is not None:
+            _hand_to_native(rt, type(instance))
     return ret
+
+
+def _step_ends(rt, runner, dc: DeviceChecker, layers, ret) -> None:
+    """After vLLM's ``execute_model`` of a step begun by kvsan."""
+    if ret is None:
+        # vLLM 0.32 finishes the step in sample_tokens, where a drafter
+        # (EAGLE, MTP, a draft model) writes its own layers' KV for this
+        # step's slots: sealed now, a block's checksums would miss those
+        # bytes (a false checksum_mismatch).  vLLM runs sample_tokens
+        # before the next execute_model, so the step is sealed there
+        # (or at shutdown), with no hook of its own on the step's path.
+        # Most steps cache no block: then there is nothing to seal.
+        if dc.pending_seal or dc.pending_sums:
+            _unsealed[id(runner)] = (weakref.ref(runner), dc, layers)
+        # the step's write guard is still reported in the step (on a GPU
+        # its slot mapping's copy was queued before the forward)
+        if dc.pending_guard is not None:
+            _dguard(rt, "execute_model.guard", dc.settle)
+    else:
+        _dguard(rt, "execute_model.seal", dc.seal, layers)
+
+
+def _native_step_ends(rt, runner, dc: DeviceChecker, ret) -> None:
+    """The native STEP hook's second half (``kvsan._hookfast``), for a
+    quiet step it began whose checker has something left after vLLM's
+    method (a seal, a deferred guard): the cache tensors are read here."""
+    layers = _dguard(rt, "execute_model.layers", _layers, runner)
+    if layers is not None:
+        _step_ends(rt, runner, dc, layers, ret)
+
+
+def _native_guard(rt, runner, counts, got) -> None:
+    """The native GUARD hook's second half: ``got`` False, the whole guard
+    here (:func:`_guard_step`); None, ``guard_step`` declined the step;
+    else the writes it found, to report."""
+    if got is False:
+        _guard_step(rt, runner, counts)
+        return
+    dc = _cached(_LAST_CHECKER, _checkers, runner)
+    if dc is None:
+        return
+    t0 = _perf_counter()
+    try:
+        if got is None:
+            batch = runner.input_batch
+            n = batch.num_reqs
+            dc.guard(batch.block_table.block_tables[0].slot_mapping.gpu, batch.req_ids[:n],
+                     _ints(counts[:n]))
+        else:
+            dc.report_writes(got)
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        guard_failed(rt, "_prepare_inputs.guard", e)  # a violation (raise / abort) propagates
+    finally:
+        dt = _perf_counter() - t0
+        rt.overhead_s += dt
+        rt.device_s += dt
+
+
+def _hand_to_native(rt, cls) -> None:
+    """From now on the native STEP and GUARD hooks on ``cls`` (when there
+    are) begin quiet steps and guard the common ones themselves
+    (kvsan._hookfast's step_call and guard_call), with this module's
+    caches; any other step still comes here."""
+    for attr, third in (("execute_model", _unsealed), ("_prepare_inputs", None)):
+        hook = _hooks.native_hook(getattr(cls, attr, None))
+        st = hook.state if hook is not None else None
+        if hook is not None and (st is None or st[0]() is not rt):
+            hook.state = (weakref.ref(rt), _LAST_CHECKER, third)
 
 
 def _ints(counts) -> list[int]:
@@ -324,21 +379,26 @@ def _ints(counts) -> list[int]:
 
 def _prepare_inputs(wrapped, instance, args, kwargs):
     """V1: the write guard on the slot mapping ``_prepare_inputs`` filled
-    for this step's batch.  Guarded and read inline (once per step, between
-    forward passes, where every Python frame is a cache miss)."""
+    for this step's batch (the native GUARD hook does the common step in C
+    and hands the rest to :func:`_native_guard`)."""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    if rt is None:
-        return ret
+    if rt is not None:
+        _guard_step(rt, instance, args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"])
+    return ret
+
+
+def _guard_step(rt, runner, num_sched) -> None:
+    """Guarded and read inline (once per step, between forward passes,
+    where every Python frame is a cache miss)."""
     ref = _LAST_CHECKER[0]
-    dc = _LAST_CHECKER[1] if ref is not None and ref() is instance \
-        else _cached(_LAST_CHECKER, _checkers, instance)
+    dc = _LAST_CHECKER[1] if ref is not None and ref() is runner \
+        else _cached(_LAST_CHECKER, _checkers, runner)
     if dc is None:
-        return ret
+        return
     t0 = _perf_counter()
     try:
-        num_sched = args[1] if len(args) > 1 else kwargs["num_scheduled_tokens"]
-        batch = instance.input_batch
+        batch = runner.input_batch
         n = batch.num_reqs
         slots = batch.block_table.block_tables[0].slot_mapping.gpu
         rids = batch.req_ids
@@ -356,7 +416,6 @@ def _prepare_inputs(wrapped, instance, args, kwargs):
         dt = _perf_counter() - t0
         rt.overhead_s += dt
         rt.device_s += dt
-    return ret
 
 
 def _prepare_attn_v2(wrapped, instance, args, kwargs):
@@ -414,8 +473,10 @@ def forget_runner(runner=None) -> None:
 
 def targets() -> list[Target]:
     return [
-        Target(_V1, "GPUModelRunner.execute_model", _execute_model, True),
-        Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True),
+        Target(_V1, "GPUModelRunner.execute_model", _execute_model, True,
+               fast=("STEP", _native_step_ends)),
+        Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True,
+               fast=("GUARD", _native_guard)),
         Target(_V1, "GPUModelRunner.shutdown", _shutdown, True),
     ]
 
