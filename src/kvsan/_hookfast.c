@@ -1306,7 +1306,7 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         Py_DECREF(rt);
         return ret;
     }
-    took_device(h, rt, now() - t0);
+    double own = now() - t0; /* (filed once, with the second half's) */
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) {
         t0 = now();
@@ -1322,7 +1322,7 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         if (rest < 0) {
             PyErr_Clear(); /* the Python half reads them again */
         }
-        took_device(h, rt, now() - t0);
+        own += now() - t0;
         if (rest) {
             PyObject *argv[4] = {rt, runner, dc, ret};
             PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
@@ -1333,6 +1333,10 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             }
         }
     }
+    PyObject *et, *ev, *etb; /* vLLM's or a violation, set aside while the time is filed */
+    PyErr_Fetch(&et, &ev, &etb);
+    took_device(h, rt, own);
+    PyErr_Restore(et, ev, etb);
     Py_DECREF(runner);
     Py_DECREF(dc);
     Py_DECREF(rt);

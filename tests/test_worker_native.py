@@ -1,0 +1,226 @@
+"""The worker side's native hooks on the real engine (in-process, V1 runner,
+default settings: sampled checksums, no poison).  ``kvsan._hookfast``'s
+STEP hook begins quiet steps (most decode steps) without the Python hook,
+and its GUARD hook runs the write guard's common step; these tests show
+that both are in use, that they report a fault injected in a quiet step
+with its exact kind, block and owners, and that a run through them leaves
+the device checker exactly as the Python hooks leave it."""
+
+import os
+import sys
+
+import pytest
+
+from kvsan.config import Config
+
+pytestmark = [pytest.mark.e2e,
+              pytest.mark.skipif(sys.version_info[:2] != (3, 11),
+                                 reason="kvsan's C modules are built for CPython 3.11")]
+
+BS = 32
+PREFIX = [(11 * i) % 500 + 1 for i in range(2 * BS)]
+
+
+@pytest.fixture(scope="module")
+def engine(kvsan_rt):
+    from vllm import LLM
+
+    from kvsan import traffic
+    from kvsan.tinymodel import ensure_tiny_model
+
+    kvsan_rt.config = kvsan_rt.reporter.config = Config(enabled=True, log_events=False)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kw = traffic.engine_kwargs(ensure_tiny_model(), num_blocks=16)
+    kw.update(max_num_batched_tokens=96, max_num_seqs=4, max_model_len=320)
+    llm = LLM(**kw)
+    yield llm
+    os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+
+
+@pytest.fixture
+def eng(engine, rt):
+    from kvsan import hooks
+
+    assert hooks.HOOKFAST is not None, "kvsan._hookfast must be in use here"
+    assert engine.reset_prefix_cache()
+    rt.clear()
+    return engine
+
+
+def hook(attr):
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from kvsan import hooks
+
+    runner = mine()
+    h = hooks.native_hook(getattr(type(runner), attr))
+    assert h is not None, f"{type(runner).__name__}.{attr} has no native hook"
+    assert issubclass(type(runner), GPUModelRunner)
+    return h
+
+
+def mine():
+    from kvsan.hooks import vllm_worker
+
+    ref, dc = vllm_worker._LAST_CHECKER
+    assert ref is not None and dc is not None
+    return ref()
+
+
+def device():
+    from kvsan.hooks import vllm_worker
+
+    return vllm_worker._LAST_CHECKER[1]
+
+
+def add(llm, rid, prompt, max_tokens):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), p)
+
+
+def step(llm, n=1):
+    for _ in range(n):
+        llm.llm_engine.step()
+
+
+def drain(llm):
+    while llm.llm_engine.has_unfinished_requests():
+        step(llm)
+
+
+def block_ids(llm, rid):
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    full = next(r for r in sched.requests if r == rid or r.startswith(rid + "-"))
+    return full, sched.kv_cache_manager.get_block_ids(full)[0]
+
+
+def of(rt, kind):
+    return [v for v in rt.violations() if v.kind == kind]
+
+
+def _python_hooks_only(monkeypatch):
+    """The worker's Python hooks for every step: the native hooks never get
+    their state (they hand every call to the Python hook, whole)."""
+    from kvsan.hooks import vllm_worker
+
+    monkeypatch.setattr(vllm_worker, "_hand_to_native", lambda rt, cls: None)
+    for attr in ("execute_model", "_prepare_inputs"):
+        hook(attr).state = None
+
+
+def _seeded_run(llm, rt) -> dict:
+    """The same traffic from the same start: what the device checker did."""
+    from kvsan import traffic
+    from kvsan.hooks import flush_overhead
+
+    assert llm.reset_prefix_cache()
+    dc = device()
+    dc._tick = 0  # the sampled batches fall on the same steps
+    before = dict(dc.counters)
+    flush_overhead()
+    device_s = rt.device_s
+    calls = {a: hook(a).calls for a in ("execute_model", "_prepare_inputs")}
+    res = traffic.run(llm, seed=3, groups=3, per_group=3)
+    flush_overhead()
+    return {"outputs": res.outputs, "steps": res.steps, "tick": dc._tick,
+            "counters": {k: v - before.get(k, 0) for k, v in dc.counters.items()},
+            "sealed": len(dc.sealed), "violations": [v.kind for v in rt.violations()],
+            "native": {a: hook(a).calls - n for a, n in calls.items()},
+            "device_s": rt.device_s - device_s}
+
+
+def test_native_steps_leave_the_checker_as_the_python_hooks_do(eng, rt, monkeypatch):
+    step(eng)  # (the runner's checker exists)
+    add(eng, "warm", PREFIX + [1], max_tokens=2)
+    drain(eng)
+    native = _seeded_run(eng, rt)
+    _python_hooks_only(monkeypatch)
+    python = _seeded_run(eng, rt)
+    assert native["violations"] == python["violations"] == []
+    # most steps were begun (and every step guarded) without the Python hooks
+    assert native["native"]["execute_model"] > native["steps"] // 3
+    assert native["native"]["_prepare_inputs"] > native["steps"] // 2
+    assert python["native"] == {"execute_model": 0, "_prepare_inputs": 0}
+    assert native["device_s"] > 0  # their own time reaches rt.device_s
+    for key in ("outputs", "steps", "tick", "counters", "sealed"):
+        assert native[key] == python[key], key
+    assert native["counters"]["verified"] > 0 and native["counters"]["guarded_tokens"] > 0
+
+
+def test_write_into_a_sealed_shared_block_in_a_quiet_step(eng, rt):
+    """A decode step with nothing for the worker view to apply is begun in
+    C; the slot mapping its batch writes still goes through the guard."""
+    import wrapt
+    from vllm.v1.worker.block_table import BlockTable
+
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=40)
+    step(eng, 2)
+    add(eng, "B", PREFIX + [22] * 5, max_tokens=40)
+    step(eng, 3)  # B hit the prefix and is decoding, as A is
+    a_full, a_blocks = block_ids(eng, "A")
+    b_full, b_blocks = block_ids(eng, "B")
+    shared = a_blocks[0]
+    assert b_blocks[0] == shared and shared in device().sealed
+    begun, guarded = hook("execute_model").calls, hook("_prepare_inputs").calls
+    fired = []
+
+    def corrupt(wrapped, instance, args, kwargs):
+        ret = wrapped(*args, **kwargs)
+        if not fired:  # one bad slot: the batch's newest token written into `shared`
+            n = int(args[2].shape[0]) if len(args) > 2 else int(kwargs["positions"].shape[0])
+            sm = instance.slot_mapping.gpu
+            sm[n - 1] = shared * BS + int(sm[n - 1]) % BS
+            fired.append(True)
+        return ret
+
+    original = BlockTable.__dict__["compute_slot_mapping"]
+    wrapt.wrap_function_wrapper(BlockTable, "compute_slot_mapping", corrupt)
+    try:
+        step(eng)
+    finally:
+        BlockTable.compute_slot_mapping = original
+    assert hook("execute_model").calls == begun + 1  # a quiet step, begun in C
+    assert hook("_prepare_inputs").calls == guarded + 1
+    bad = of(rt, "overwrite_shared_block")
+    assert len(bad) == 1 and bad[0].blocks == [shared]
+    assert set(bad[0].owners) == {a_full, b_full}
+    assert bad[0].actor in (a_full, b_full)
+    assert "sealed" in bad[0].message
+    drain(eng)
+
+
+def test_sampled_checksums_in_quiet_steps_find_a_scribble(eng, rt):
+    """Quiet steps keep the sampling tick: the sealed block a stray write
+    changed is re-verified within one sweep of decode steps."""
+    from kvsan.checks.device import DeviceChecker
+    from kvsan.hooks.vllm_worker import _layers
+
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=60)
+    step(eng, 2)
+    _, a_blocks = block_ids(eng, "A")
+    target = a_blocks[1]
+    dc = device()
+    assert target in dc.sealed and dc.checksum == "sample"
+    begun = hook("execute_model").calls
+    _layers(mine())[0][target].view(-1)[5] += 1.0  # a stray write, no allocator call
+    step(eng, 3 * DeviceChecker.SAMPLE_BATCH_STEPS)
+    assert hook("execute_model").calls - begun > DeviceChecker.SAMPLE_BATCH_STEPS
+    bad = of(rt, "checksum_mismatch")
+    assert [(v.blocks, v.details[0]["layers"], v.details[0]["check"]) for v in bad] == [
+        ([target], [0], "sampled")]
+    a_full, _ = block_ids(eng, "A")
+    assert a_full in bad[0].owners
+    drain(eng)
+
+
+def test_bad_hook_state_is_refused(eng):
+    import weakref
+
+    h = hook("execute_model")
+    with pytest.raises(TypeError, match="STEP hook"):
+        h.state = (weakref.ref(mine()), [None, None], None)
+    with pytest.raises(TypeError, match="GUARD hook"):
+        hook("_prepare_inputs").state = (weakref.ref(mine()), [None, None], {})
