@@ -1162,14 +1162,15 @@ quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
 {
     int r = -1;
     PyObject *payload = NULL, *cr = NULL, *news = NULL, *checksum = NULL, *tick = NULL,
-             *batch = NULL, *newtick = NULL;
+             *batch = NULL, *newtick = NULL, *step = NULL;
     payload = PyObject_GetAttr(so, s_kvsan);
     if (payload == NULL || !PyDict_CheckExact(payload)) {
         PyErr_Clear(); /* no payload (the Python hook counts steps itself) */
         r = 0;
         goto done;
     }
-    PyObject *step = PyDict_GetItemWithError(payload, s_step); /* borrowed */
+    /* (held across the reads below, which may run Python code) */
+    step = Py_XNewRef(PyDict_GetItemWithError(payload, s_step));
     if (step == NULL || !PyLong_CheckExact(step)) {
         r = PyErr_Occurred() ? -1 : 0;
         goto done;
@@ -1265,6 +1266,7 @@ done:
     Py_XDECREF(tick);
     Py_XDECREF(batch);
     Py_XDECREF(newtick);
+    Py_XDECREF(step);
     return r;
 }
 
@@ -1372,7 +1374,7 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     double t0 = now();
     PyObject *got = NULL; /* for the Python half; NULL: nothing to do there */
     int own_failure = 0;
-    PyObject *dc = last_checker(PyTuple_GET_ITEM(st, 1), runner); /* borrowed */
+    PyObject *dc = Py_XNewRef(last_checker(PyTuple_GET_ITEM(st, 1), runner));
     PyObject *batch = NULL, *n = NULL, *bt = NULL, *tables = NULL, *table = NULL, *sm = NULL,
              *slots = NULL, *rids = NULL, *fast = NULL;
     if (dc == NULL
@@ -1415,6 +1417,7 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
         }
     }
     Py_XDECREF(got);
+    Py_XDECREF(dc);
     Py_XDECREF(batch);
     Py_XDECREF(n);
     Py_XDECREF(bt);
