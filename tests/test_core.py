@@ -125,7 +125,7 @@ def test_shadow_memory_is_arrays():
 
     sh = ck.shadow
     per_block = sum(sys.getsizeof(x) for x in (
-        sh.own0, sh.cached, sh.acq_owner, sh.acq_step, sh.acq_site,
+        sh.own0, sh.own1, sh.cached, sh.acq_owner, sh.acq_step, sh.acq_site,
         sh.rel_owner, sh.rel_step, sh.rel_site)) / 100_000
     assert per_block <= 64
 
@@ -175,23 +175,29 @@ def test_a_block_cached_and_evicted_in_one_step_is_not_sent_as_cached():
     assert still_cached([3, 4], ck.shadow.cached) == [3, 4] and out == []
 
 
-def test_a_shared_block_keeps_one_further_owner_without_a_list():
-    """``more`` holds a block's one further owner itself, a list only from
-    two on, and goes back to the owner when a list is left with one (most
-    shared blocks have two owners: a list cost 64 bytes each)."""
+def test_a_shared_block_keeps_its_second_owner_in_own1_and_a_third_without_a_list():
+    """A block's second owner lives in ``own1`` (a prefix hit: no dict
+    entry), its third in ``more`` as the owner itself, a list only from the
+    fourth on, which goes back to the owner when a list is left with one (a
+    list cost 64 bytes each); an owner that leaves has its place taken by
+    the last of ``more``'s, else by the second."""
     from kvsan.shadow import ShadowTable
 
     sh = ShadowTable(4)
     for o in ("A", "B"):
         sh.add_owner(1, o)
-    assert sh.more == {1: "B"} and sh.owners(1) == ["A", "B"] and sh.extras(1) == ["B"]
-    assert sh.is_owner(1, "B") and not sh.is_owner(1, "C")
-    sh.acquire([1], "C", 3, 0)
-    assert sh.more == {1: ["B", "C"]} and sh.blocks_of("C") == [1] and sh.num_owners(1) == 3
-    assert sh.remove_owner(1, "B") and sh.more == {1: "C"}
-    assert not sh.remove_owner(1, "B") and not sh.remove_owner(1, "D")
-    assert sh.remove_owner(1, "A") and sh.own0[1] == "C" and sh.more == {}
-    assert sh.remove_owner(1, "C") and sh.owners(1) == [] and sh.held == {}
+    assert sh.own1[1] == "B" and sh.more == {} and sh.owners(1) == ["A", "B"]
+    assert sh.extras(1) == ["B"] and sh.is_owner(1, "B") and not sh.is_owner(1, "C")
+    sh.add_owner(1, "C")
+    assert sh.more == {1: "C"} and sh.owners(1) == ["A", "B", "C"]
+    sh.acquire([1], "D", 3, 0)
+    assert sh.more == {1: ["C", "D"]} and sh.blocks_of("D") == [1] and sh.num_owners(1) == 4
+    assert sh.remove_owner(1, "B") and sh.own1[1] == "D" and sh.more == {1: "C"}
+    assert not sh.remove_owner(1, "B") and not sh.remove_owner(1, "E")
+    assert sh.remove_owner(1, "A") and sh.own0[1] == "C" and sh.own1[1] == "D"
+    assert sh.more == {} and sh.blocks_of("C") == [1]
+    assert sh.remove_owner(1, "C") and sh.own0[1] == "D" and sh.own1[1] is None
+    assert sh.remove_owner(1, "D") and sh.owners(1) == [] and sh.held == {}
 
 
 def test_call_sites_past_the_two_byte_ids_are_not_interned(monkeypatch):

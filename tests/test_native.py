@@ -30,7 +30,7 @@ def test_speedups_are_built_and_in_use(rt):
     measure and test only the Python paths without noticing)."""
     from kvsan import _frames, _shadowfast, hooks
 
-    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 6
+    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 7
     assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
     m = make_manager(8)
     assert rt.checkers[m.block_pool].fast is not None
@@ -41,6 +41,7 @@ def _table_state(ck) -> dict:
     n = sh.num_blocks
     return {
         "own0": list(sh.own0),
+        "own1": list(sh.own1),
         "more": {b: list(v) if type(v) is list else v for b, v in sh.more.items()},  # as held
         "nown": list(sh.nown),
         "cached": bytes(sh.cached),
@@ -313,11 +314,12 @@ def test_block_fields_read_as_slots(rt):
 @pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
 def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     """A prefix hit on blocks someone else owns files the new owner in
-    ``more``; the lists the C table makes there hold only owner strings, so
-    they are untracked by the garbage collector, as is a new owner's
-    ``since`` record: left tracked, the thousands alive between a hit and its
-    release made the collector run, and walk them, every few steps (touch at
-    16 blocks cost 2x as much with them tracked)."""
+    ``own1``, further ones in ``more``; the lists the C table makes there
+    hold only owner strings, so they are untracked by the garbage collector,
+    as is a new owner's ``since`` record: left tracked, the thousands alive
+    between a hit and its release made the collector run, and walk them,
+    every few steps (touch at 16 blocks cost 2x as much with them
+    tracked)."""
     import gc
 
     m = make_manager(32)
@@ -331,18 +333,24 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     pool.touch(blocks)
     sh = ck.shadow
     ids = [b.block_id for b in blocks]
-    assert {b: sh.more[b] for b in ids} == {b: "B" for b in ids}  # one further owner: no list
+    assert [sh.own1[b] for b in ids] == ["B"] * 3 and sh.more == {}  # a second owner: a slot
     assert not gc.is_tracked(sh.since["B"])
     ctx[-1] = ("C", "alloc")
     pool.touch(blocks)
-    assert {b: sh.more[b] for b in ids} == {b: ["B", "C"] for b in ids}
+    assert {b: sh.more[b] for b in ids} == {b: "C" for b in ids}  # a third: no list
+    ctx[-1] = ("D", "alloc")
+    pool.touch(blocks)
+    assert {b: sh.more[b] for b in ids} == {b: ["C", "D"] for b in ids}
     assert not any(gc.is_tracked(sh.more[b]) for b in ids)
-    left = {"B": "C", "A": None, "C": None}  # what more holds after each release
-    for owner in ("B", "A", "C"):
+    # (own0, own1, more) after each release: the last of more's takes a
+    # leaver's place, else the second moves up
+    left = {"B": ("A", "D", "C"), "A": ("C", "D", None), "C": ("D", None, None),
+            "D": (None, None, None)}
+    for owner in ("B", "A", "C", "D"):
         ctx[-1] = (owner, "free")
         pool.free_blocks(reversed(blocks))
-        assert [sh.more.get(b) for b in ids] == [left[owner]] * 3, owner  # a list of one: its owner
-    assert [sh.own0[b] for b in ids] == [None] * 3
+        got = {(sh.own0[b], sh.own1[b], sh.more.get(b)) for b in ids}
+        assert got == {left[owner]}, owner  # a list of one: its owner
     ctx.pop()
     assert sh.more == {} and sh.held == {} and not rt.violations()
 

@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 6
+#define KVSAN_SHADOWFAST_ABI 7
 
 #include "_capi.h"
 
@@ -167,7 +167,8 @@ typedef struct {
     PyObject_HEAD
     Py_ssize_t n;
     PyObject *own0;      /* list: first owner of each block or None */
-    PyObject *more;      /* dict: block -> its further owner, or a list of them (2+) */
+    PyObject *own1;      /* list: second owner of each block or None */
+    PyObject *more;      /* dict: block -> its third owner, or a list of them from the third */
     PyObject *hashes;    /* list: cache key of each cached block */
     PyObject *acq_owner; /* list */
     PyObject *rel_owner; /* list */
@@ -177,11 +178,12 @@ typedef struct {
     PyObject *counters;  /* dict: the checker's event counters */
     PyObject *held;      /* dict: owner -> references held (shadow.held) */
     PyObject *since;     /* dict: owner -> complex(monotonic time, step) it began to hold */
+    PyObject *last_when; /* the last "since" record made (see held_add) */
     PyObject *ended;     /* dict: shadow.ended */
     PyObject *nonrequest; /* set: shadow.nonrequest */
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
     Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
-    unsigned char *seen; /* scratch: blocks already met in this call */
+    unsigned char *seen; /* scratch: blocks already met in this call, a bit each */
     void *scratch;       /* an event's per-block arrays (see scratch_get) */
     size_t scratch_cap;
     int scratch_busy;
@@ -195,6 +197,12 @@ typedef struct {
     PyObject *site_key[SITE_CACHE];
     int site_val[SITE_CACHE];
 } Table;
+
+/* the ``seen`` bits: a bit per block, not a byte (an eighth of the memory,
+ * and the shadow's bytes per block are a target) */
+#define SEEN(t, b) (((t)->seen[(size_t)(b) >> 3] >> ((size_t)(b) & 7)) & 1)
+#define SEEN_SET(t, b) ((t)->seen[(size_t)(b) >> 3] |= (unsigned char)(1u << ((size_t)(b) & 7)))
+#define SEEN_CLR(t, b) ((t)->seen[(size_t)(b) >> 3] &= (unsigned char)~(1u << ((size_t)(b) & 7)))
 
 static int
 get_buf(PyObject *obj, Py_buffer *view, Py_ssize_t n, Py_ssize_t itemsize, const char *what)
@@ -219,6 +227,7 @@ static int
 Table_traverse(Table *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->own0);
+    Py_VISIT(self->own1);
     Py_VISIT(self->more);
     Py_VISIT(self->hashes);
     Py_VISIT(self->acq_owner);
@@ -239,6 +248,8 @@ static int
 Table_clear(Table *self)
 {
     Py_CLEAR(self->own0);
+    Py_CLEAR(self->own1);
+    Py_CLEAR(self->last_when);
     Py_CLEAR(self->more);
     Py_CLEAR(self->hashes);
     Py_CLEAR(self->acq_owner);
@@ -305,7 +316,8 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         PyObject **slot;
         PyTypeObject *type;
     } objs[] = {
-        {"own0", &self->own0, &PyList_Type},       {"more", &self->more, &PyDict_Type},
+        {"own0", &self->own0, &PyList_Type},       {"own1", &self->own1, &PyList_Type},
+        {"more", &self->more, &PyDict_Type},
         {"hashes", &self->hashes, &PyList_Type},   {"acq_owner", &self->acq_owner, &PyList_Type},
         {"rel_owner", &self->rel_owner, &PyList_Type}, {"null", &self->null, &PyFrozenSet_Type},
         {"held", &self->held, &PyDict_Type},       {"_site_ids", &self->site_ids, &PyDict_Type},
@@ -370,7 +382,7 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         }
     }
     PyMem_Free(self->seen);
-    self->seen = PyMem_Calloc(n > 0 ? (size_t)n : 1, 1);
+    self->seen = PyMem_Calloc(n > 0 ? (size_t)n / 8 + 1 : 1, 1);
     if (self->seen == NULL) {
         PyErr_NoMemory();
         return -1;
@@ -480,11 +492,11 @@ special(Table *t, Py_ssize_t b)
 static int
 table_ok(Table *t)
 {
-    if (t->own0 == NULL || t->hashes == NULL || t->acq_owner == NULL || t->rel_owner == NULL
+    if (t->own0 == NULL || t->own1 == NULL || t->hashes == NULL || t->acq_owner == NULL || t->rel_owner == NULL
         || t->more == NULL || t->null == NULL || t->mism == NULL || t->sh == NULL
         || t->counters == NULL || t->held == NULL || t->site_ids == NULL || t->since == NULL
         || t->ended == NULL || t->nonrequest == NULL
-        || PyList_GET_SIZE(t->own0) != t->n
+        || PyList_GET_SIZE(t->own0) != t->n || PyList_GET_SIZE(t->own1) != t->n
         || PyList_GET_SIZE(t->hashes) != t->n || PyList_GET_SIZE(t->acq_owner) != t->n
         || PyList_GET_SIZE(t->rel_owner) != t->n || t->seen == NULL) {
         PyErr_SetString(PyExc_RuntimeError,
@@ -548,8 +560,8 @@ block_key(PyObject *blk, Py_ssize_t b)
 }
 
 /* ``owner`` is an owner of ``b`` (engine block ``blk``, or NULL): 1 as
- * own0, 2 in more's list (its index there in *pos_out), 3 as more's one
- * further owner, 0 not, -1 error */
+ * own0, 4 as own1, 2 in more's list (its index there in *pos_out), 3 as
+ * more's one further owner, 0 not, -1 error */
 static int
 owns(Table *t, Py_ssize_t b, PyObject *blk, PyObject *owner, PyObject **extra_out,
      Py_ssize_t *pos_out)
@@ -563,8 +575,16 @@ owns(Table *t, Py_ssize_t b, PyObject *blk, PyObject *owner, PyObject **extra_ou
     if (r != 0) {
         return r;
     }
-    if (NOWN(t)[b] < 2) {
-        return 0; /* no further owner (nown counts the owners, own0 and more's) */
+    o = PyList_GET_ITEM(t->own1, b);
+    if (o == Py_None) {
+        return 0;
+    }
+    r = o == owner ? 1 : PyObject_RichCompareBool(o, owner, Py_EQ);
+    if (r != 0) {
+        return r > 0 ? 4 : r;
+    }
+    if (NOWN(t)[b] < 3) {
+        return 0; /* no third owner (nown counts the owners: own0, own1, more's) */
     }
     PyObject *key = block_key(blk, b);
     if (key == NULL) {
@@ -727,11 +747,20 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
         clock_gettime(CLOCK_MONOTONIC, &ts);
 #endif
         /* complex(time, step): one object, not tracked by gc (see
-         * ShadowTable.since) */
-        PyObject *when = PyComplex_FromDoubles(
-            (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9, (double)step);
-        if (when == NULL) {
-            return -1;
+         * ShadowTable.since).  The owners that begin to hold in one step
+         * within one tick of the coarse clock (a step's new requests) share
+         * one: an allocation and 32 bytes per owner fewer. */
+        double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+        PyObject *when = t->last_when;
+        if (when != NULL && PyComplex_RealAsDouble(when) == now
+            && PyComplex_ImagAsDouble(when) == (double)step) {
+            Py_INCREF(when);
+        } else {
+            when = PyComplex_FromDoubles(now, (double)step);
+            if (when == NULL) {
+                return -1;
+            }
+            Py_XSETREF(t->last_when, Py_NewRef(when));
         }
         int r = PyDict_SetItem(t->since, owner, when);
         Py_DECREF(when);
@@ -1011,7 +1040,7 @@ allocate_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
         if (r < 0) {
             goto error;
         }
-        if (!r || ref != 1 || nown[b] != 0 || t->seen[b]
+        if (!r || ref != 1 || nown[b] != 0 || SEEN(t, b)
             || PyList_GET_ITEM(t->own0, b) != Py_None) {
             clean = 0;
             break;
@@ -1024,11 +1053,11 @@ allocate_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
             clean = 0;
             break;
         }
-        t->seen[b] = 1;
+        SEEN_SET(t, b);
         ids[marked++] = b;
     }
     for (i = 0; i < marked; i++) {
-        t->seen[ids[i]] = 0;
+        SEEN_CLR(t, ids[i]);
     }
     if (!clean) {
         scratch_put(t, ids);
@@ -1078,7 +1107,7 @@ allocate_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
     return evicted;
 error:
     for (Py_ssize_t j = 0; j < marked; j++) {
-        t->seen[ids[j]] = 0;
+        SEEN_CLR(t, ids[j]);
     }
 error_nomarks:
     scratch_put(t, ids);
@@ -1128,7 +1157,7 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
         if (unlinked < 0) {
             goto error;
         }
-        if (!r || !unlinked || t->seen[b] || ref != nown[b] + 1) {
+        if (!r || !unlinked || SEEN(t, b) || ref != nown[b] + 1) {
             clean = 0;
             break;
         }
@@ -1140,12 +1169,12 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
             clean = 0;
             break;
         }
-        t->seen[b] = 1;
+        SEEN_SET(t, b);
         at[m] = i;
         ids[m++] = b;
     }
     for (i = 0; i < m; i++) {
-        t->seen[ids[i]] = 0;
+        SEEN_CLR(t, ids[i]);
     }
     if (!clean) {
         scratch_put(t, ids);
@@ -1162,6 +1191,12 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
             newly++;
             if (cached[b]) {
                 claimed++;
+            }
+        } else if (PyList_GET_ITEM(t->own1, b) == Py_None) {
+            /* a second owner (a prefix hit): a store in a list, where a dict
+             * entry was a hash insert here and a delete at its release */
+            if (set_list(t->own1, b, owner) < 0) {
+                goto error_nomarks;
             }
         } else {
             /* keyed by the block's own id, an int the engine keeps for the
@@ -1226,7 +1261,7 @@ share_impl(Table *t, PyObject *const *args, Py_ssize_t nargs, int lean)
     return tuple_steal(3, out);
 error:
     for (Py_ssize_t j = 0; j < m; j++) {
-        t->seen[ids[j]] = 0;
+        SEEN_CLR(t, ids[j]);
     }
 error_nomarks:
     scratch_put(t, ids);
@@ -1294,16 +1329,16 @@ snapshot_core(Table *t, PyObject *blocks, PyObject *pool, long long *out)
             err = 1;
             break;
         }
-        if (!r || t->seen[b] || ref < 0) {
+        if (!r || SEEN(t, b) || ref < 0) {
             clean = 0;
             break;
         }
-        t->seen[b] = 1;
+        SEEN_SET(t, b);
         ids[m++] = b;
         out[i] = (long long)ref * 2 + (unlinked ? 0 : 1);
     }
     for (Py_ssize_t j = 0; j < m; j++) {
-        t->seen[ids[j]] = 0;
+        SEEN_CLR(t, ids[j]);
     }
     scratch_put(t, ids);
     return err ? -1 : clean;
@@ -1379,8 +1414,8 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
     }
     Py_ssize_t k = PyList_GET_SIZE(blocks);
     /* per released block: its id, whether it goes back unhashed, how the
-     * owner held it (1 first owner, 2 in a ``more`` list, 3 ``more``'s one
-     * further owner) and that ``more`` entry (borrowed: only this block's
+     * owner held it (1 first owner, 4 second, 2 in a ``more`` list, 3
+     * ``more``'s one further owner) and that ``more`` entry (borrowed: only this block's
      * entry changes it, and each block is met once) */
     Py_ssize_t n1 = k ? k : 1;
     Py_ssize_t *ids = scratch_get(t, (size_t)n1 * (5 * sizeof(Py_ssize_t) + sizeof(PyObject *)));
@@ -1406,7 +1441,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         if (r < 0) {
             goto error;
         }
-        if (!r || t->seen[b] || ref != ref_before - 1 || ref < 0 || ref != nown[b] - 1) {
+        if (!r || SEEN(t, b) || ref != ref_before - 1 || ref < 0 || ref != nown[b] - 1) {
             clean = 0; /* a block met twice: the Python checker sorts it out */
             break;
         }
@@ -1443,7 +1478,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
                 freed_flag[m] = 1;
             }
         }
-        t->seen[b] = 1;
+        SEEN_SET(t, b);
         how[m] = o;
         where[m] = i;
         pos[m] = at;
@@ -1451,7 +1486,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         ids[m++] = b;
     }
     for (i = 0; i < m; i++) {
-        t->seen[ids[i]] = 0;
+        SEEN_CLR(t, ids[i]);
     }
     if (!clean) {
         scratch_put(t, ids);
@@ -1468,9 +1503,13 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         Py_ssize_t b = ids[i];
         PyObject *extra = extras[i];
         PyObject *key = NULL; /* made when a dict or the freed list needs it */
-        if (how[i] == 1) {
+        if (how[i] == 1 || how[i] == 4) {
+            /* the first or second owner leaves: the last of ``more``'s takes
+             * its place; else the second moves up (the first leaves) or
+             * goes (the second leaves) */
+            PyObject *slot = how[i] == 1 ? t->own0 : t->own1;
             extra = NULL;
-            if (nown[b] > 1) { /* it has further owners: one takes its place */
+            if (nown[b] > 2) {
                 key = block_key(PyList_GET_ITEM(blocks, where[i]), b);
                 if (key == NULL) {
                     goto error_freed;
@@ -1480,9 +1519,18 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
                     goto error_key;
                 }
             }
-            if (extra != NULL) { /* own0 = the last further owner */
+            PyObject *o1 = PyList_GET_ITEM(t->own1, b);
+            if (extra != NULL) {
                 PyObject *next = pop_extra(t, key, extra, -1);
-                if (next == NULL || PyList_SetItem(t->own0, b, next) < 0) {
+                if (next == NULL || PyList_SetItem(slot, b, next) < 0) {
+                    goto error_key;
+                }
+            } else if (how[i] == 4) {
+                if (set_list(t->own1, b, Py_None) < 0) {
+                    goto error_key;
+                }
+            } else if (o1 != Py_None) { /* own0 = own1, which goes */
+                if (set_list(t->own0, b, o1) < 0 || set_list(t->own1, b, Py_None) < 0) {
                     goto error_key;
                 }
             } else {
@@ -1548,7 +1596,7 @@ error_freed:
     return NULL;
 error:
     for (Py_ssize_t j = 0; j < m; j++) {
-        t->seen[ids[j]] = 0;
+        SEEN_CLR(t, ids[j]);
     }
     scratch_put(t, ids);
     return NULL;

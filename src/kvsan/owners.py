@@ -114,7 +114,7 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
     live: dict[str, int] = {}
     cached_held: dict[str, int] = {}
     evictable: dict[str, int] = {}
-    own0, more, cached = sh.own0, sh.more, sh.cached
+    own0, own1, cached = sh.own0, sh.own1, sh.cached
     extras = sh.extras
     for b in range(sh.num_blocks):
         if b in sh.null:
@@ -126,7 +126,7 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
                 if r is not None:
                     evictable[r] = evictable.get(r, 0) + 1
             continue
-        for x in (o, *extras(b)) if b in more else (o,):
+        for x in (o, *extras(b)) if own1[b] is not None else (o,):
             live[x] = live.get(x, 0) + 1
             if cached[b]:
                 cached_held[x] = cached_held.get(x, 0) + 1

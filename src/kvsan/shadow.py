@@ -5,20 +5,23 @@ a non-request owner such as ``cow:<req>`` for copy-on-write retention,
 ``deferred:<req>`` for a fenced free, ``pin:<site>`` for a connector pin).
 
 Layout is per-block arrays, not an object per block, so a 1M-block pool costs
-tens of bytes per block: the first owner of a block lives in ``own0``; the
-extra owners of a shared block live in ``more`` (the one further owner
-itself, a list only from two on: most shared blocks have two owners, and a
-list and its item array cost 64 bytes more); ``nown`` counts the owners of
-every block (a C int array, so the full audit compares it with the engine's
-counts as one vector).  Provenance of the last acquire and release is kept
-per block as (owner, step, interned call site).  About 49 bytes per block (8
-own0, 4 nown, 1 cached, 8 hash reference, 2 x (8 + 4 + 2) provenance).
+tens of bytes per block: the first owner of a block lives in ``own0``, its
+second in ``own1`` (most shared blocks have two owners: a prefix hit; a slot
+in a list is a store where a dict entry was a hash insert and delete per
+shared block and event); the owners from the third on live in ``more`` (the
+one further owner itself, a list only from two on: a list and its item
+array cost 64 bytes more); ``nown`` counts the owners of every block (a C
+int array, so the full audit compares it with the engine's counts as one
+vector).  Provenance of the last acquire and release is kept per block as
+(owner, step, interned call site).  About 57 bytes per block (8 own0, 8
+own1, 4 nown, 1 cached, 8 hash reference, 2 x (8 + 4 + 2) provenance).
 """
 
 from __future__ import annotations
 
 from array import array
-from time import monotonic as _monotonic
+import sys as _sys
+import time as _time
 from typing import Iterable
 
 
@@ -30,13 +33,28 @@ def _zero() -> int:
     return 0
 
 
+#: time.monotonic's clock read at its last tick (a few ms; never later than
+#: time.monotonic()): "held since" is reported in seconds, and the owners
+#: that begin to hold in one step then share one record (see ``_hold``)
+#: (Linux's clock id 6; Python's time module does not name it)
+_COARSE = getattr(_time, "CLOCK_MONOTONIC_COARSE",
+                  6 if _sys.platform.startswith("linux") else None)
+
+
+def _held_clock() -> float:
+    return _time.monotonic() if _COARSE is None else _time.clock_gettime(_COARSE)
+
+
 class ShadowTable:
     def __init__(self, num_blocks: int, null_blocks: Iterable[int] = (0,)):
         n = int(num_blocks)
         self.num_blocks = n
         self.null = frozenset(null_blocks)
         self.own0: list[str | None] = [None] * n
-        #: block -> its further owner (a str), or a list of them (two or more)
+        #: the second owner of each block (set only while own0 is)
+        self.own1: list[str | None] = [None] * n
+        #: block -> its third owner (a str), or a list of its owners from the
+        #: third on (two or more; only while own1 is set)
         self.more: dict[int, str | list[str]] = {}
         #: number of owners of each block (1 + len(extras(b)) when own0[b] is set)
         self.nown = array("i", bytes(4 * n))
@@ -61,8 +79,11 @@ class ShadowTable:
         #: owner -> when it went from holding nothing to holding a block
         #: (``kvsan owners``: "for how long"), as complex(monotonic time,
         #: step): one 32-byte object per owner, where a tuple of a float and
-        #: an int took three (112 bytes).  Read through :meth:`since_of`.
+        #: an int took three (112 bytes); the owners that begin to hold in
+        #: one step and one tick of the clock share one.  Read through
+        #: :meth:`since_of`.
         self.since: dict[str, complex] = {}
+        self._last_when = 0j
         #: the step counter (set by the checker); read only for new owners
         self.clock = _zero
         self._n_owned = 0
@@ -116,20 +137,20 @@ class ShadowTable:
 
     # -- owners -------------------------------------------------------------
     def extras(self, b: int) -> list[str]:
-        """The owners of ``b`` after its first (``more``'s entry as a list)."""
+        """The owners of ``b`` after its first (``own1`` and ``more``'s)."""
+        o1 = self.own1[b]
+        if o1 is None:
+            return []
         extra = self.more.get(b)
         if extra is None:
-            return []
-        return extra if type(extra) is list else [extra]
+            return [o1]
+        return [o1, *extra] if type(extra) is list else [o1, extra]
 
     def owners(self, b: int) -> list[str]:
         o = self.own0[b]
         if o is None:
             return []
-        extra = self.more.get(b)
-        if extra is None:
-            return [o]
-        return [o, *extra] if type(extra) is list else [o, extra]
+        return [o, *self.extras(b)]
 
     def live_owners(self, b: int) -> list[str]:
         ended = self.ended
@@ -139,7 +160,7 @@ class ShadowTable:
         return self.nown[b]
 
     def is_owner(self, b: int, owner: str) -> bool:
-        if self.own0[b] == owner:
+        if self.own0[b] == owner or self.own1[b] == owner:
             return True
         extra = self.more.get(b)
         if extra is None:
@@ -148,6 +169,9 @@ class ShadowTable:
 
     def _add_extra(self, b: int, owner: str) -> None:
         """``owner`` is one more owner of ``b``, whose first owner is set."""
+        if self.own1[b] is None:
+            self.own1[b] = owner
+            return
         more = self.more
         extra = more.get(b)
         if extra is None:
@@ -170,6 +194,16 @@ class ShadowTable:
             del self.more[b]
         return got
 
+    def _pop_second(self, b: int) -> str | None:
+        """Take ``b``'s second owner out (its place taken by the last of
+        ``more``'s): the owner that moves up when one before it leaves."""
+        extra = self.more.get(b)
+        if extra is not None:
+            return self._pop_extra(b, extra)
+        o1 = self.own1[b]
+        self.own1[b] = None
+        return o1
+
     def add_owner(self, b: int, owner: str) -> None:
         if self.own0[b] is None:
             self.own0[b] = owner
@@ -186,7 +220,12 @@ class ShadowTable:
         ``kvsan._shadowfast`` calls it by name for an owner's first reference."""
         had = self.held.get(owner, 0)
         if not had:
-            self.since[owner] = complex(_monotonic(), self.clock())
+            when = complex(_held_clock(), self.clock())
+            if when == self._last_when:
+                when = self._last_when
+            else:
+                self._last_when = when
+            self.since[owner] = when
         self.held[owner] = had + n
 
     def _unhold(self, owner: str, n: int) -> None:
@@ -227,25 +266,31 @@ class ShadowTable:
 
     def remove_owner(self, b: int, owner: str) -> bool:
         """Drop one reference of ``owner`` on ``b``; False if it held none."""
-        extra = self.more.get(b)
         if self.own0[b] == owner:
-            if extra is not None:
-                self.own0[b] = self._pop_extra(b, extra)
+            if self.own1[b] is not None:
+                self.own0[b] = self._pop_second(b)
             else:
                 self.own0[b] = None
                 self._n_owned -= 1
                 if self.cached[b]:
                     self._n_cached_free += 1
-        elif extra is None:
+        elif self.own1[b] is None:
             return False
-        elif type(extra) is list:
-            if owner not in extra:
-                return False
-            self._pop_extra(b, extra, extra.index(owner))
-        elif extra == owner:
-            self._pop_extra(b, extra)
+        elif self.own1[b] == owner:
+            extra = self.more.get(b)
+            self.own1[b] = None if extra is None else self._pop_extra(b, extra)
         else:
-            return False
+            extra = self.more.get(b)
+            if extra is None:
+                return False
+            if type(extra) is list:
+                if owner not in extra:
+                    return False
+                self._pop_extra(b, extra, extra.index(owner))
+            elif extra == owner:
+                self._pop_extra(b, extra)
+            else:
+                return False
         self.nown[b] -= 1
         self._unhold(owner, 1)
         return True
@@ -260,6 +305,7 @@ class ShadowTable:
         """All blocks ``owner`` holds.  O(pool): used on violation paths and
         by on-demand queries only, never per step."""
         out = [b for b, o in enumerate(self.own0) if o == owner]
+        out += [b for b, o in enumerate(self.own1) if o == owner]
         out += [b for b, extra in self.more.items()
                 if (owner in extra if type(extra) is list else extra == owner)]
         return sorted(out)
