@@ -30,7 +30,7 @@ def test_speedups_are_built_and_in_use(rt):
     measure and test only the Python paths without noticing)."""
     from kvsan import _frames, _shadowfast, hooks
 
-    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 7
+    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 8
     assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
     m = make_manager(8)
     assert rt.checkers[m.block_pool].fast is not None
@@ -48,8 +48,8 @@ def _table_state(ck) -> dict:
         "hashes": list(sh.hashes),
         "acq": [(sh.acq_owner[b], sh.acq_step[b], sh.sites[sh.acq_site[b]]) for b in range(n)],
         "rel": [(sh.rel_owner[b], sh.rel_step[b], sh.sites[sh.rel_site[b]]) for b in range(n)],
-        "held": dict(sh.held),
-        "since": {o: sh.since_of(o)[1] for o in sh.since},
+        "held": {o: h.n for o, h in sh.held.items()},
+        "since": {o: sh.since_of(o)[1] for o in sh.held},
         "ended": dict(sh.ended),
         "nonrequest": sorted(sh.nonrequest),
         "n_owned": sh.n_owned,
@@ -316,7 +316,7 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     """A prefix hit on blocks someone else owns files the new owner in
     ``own1``, further ones in ``more``; the lists the C table makes there
     hold only owner strings, so they are untracked by the garbage collector,
-    as is a new owner's ``since`` record: left tracked, the thousands alive
+    as is a new owner's Hold record: left tracked, the thousands alive
     between a hit and its release made the collector run, and walk them,
     every few steps (touch at 16 blocks cost 2x as much with them
     tracked)."""
@@ -334,7 +334,7 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     sh = ck.shadow
     ids = [b.block_id for b in blocks]
     assert [sh.own1[b] for b in ids] == ["B"] * 3 and sh.more == {}  # a second owner: a slot
-    assert not gc.is_tracked(sh.since["B"])
+    assert not gc.is_tracked(sh.held["B"]) and not gc.is_tracked(sh.held["B"].when)
     ctx[-1] = ("C", "alloc")
     pool.touch(blocks)
     assert {b: sh.more[b] for b in ids} == {b: "C" for b in ids}  # a third: no list
@@ -353,6 +353,36 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
         assert got == {left[owner]}, owner  # a list of one: its owner
     ctx.pop()
     assert sh.more == {} and sh.held == {} and not rt.violations()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_an_owners_hold_is_one_record_updated_in_place(rt, native_switch, native):
+    """An owner's references and since when it holds any are one record in
+    ``held``, made at its first reference (here a prefix hit), updated in
+    place by its later events (its since unchanged), and gone with its
+    last reference; the same on both routes."""
+    if not native_switch(native) and native:
+        pytest.skip("the speed-ups are not built here")
+    m = make_manager(32)
+    pool = m.block_pool
+    sh = rt.checkers[pool].shadow
+    ctx = rt.owner_ctx
+    ctx.append(("A", "alloc"))
+    shared = pool.get_new_blocks(3)
+    ctx[-1] = ("B", "alloc")
+    pool.touch(shared)
+    rec, since = sh.held["B"], sh.since_of("B")
+    assert sh.held_count("B") == 3 and since is not None
+    own = pool.get_new_blocks(2)
+    assert sh.held["B"] is rec and sh.held_count("B") == 5 and sh.since_of("B") == since
+    ctx[-1] = ("B", "free")
+    pool.free_blocks(reversed(own))
+    assert sh.held["B"] is rec and rec.n == 3
+    pool.free_blocks(reversed(shared))
+    assert "B" not in sh.held and sh.held_count("B") == 0 and sh.since_of("B") is None
+    assert sh.held_count("A") == 3
+    ctx.pop()
+    assert not rt.violations()
 
 
 def test_many_sharers_released_in_any_order_agree_with_python(rt):

@@ -52,6 +52,12 @@ enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_EN
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
+#if PY_VERSION_HEX < 0x030C0000
+/* rt_globals' ``_runtime`` (borrowed: the dict holds it) as of the dict's
+ * version tag, which every change to the dict moves on; 0: not read */
+static uint64_t rt_version = 0;
+static PyObject *rt_cached = NULL;
+#endif
 static PyObject *context_fn = NULL; /* kvsan._frames.context(depth, owner_ctx) */
 static PyObject *checker_fn = NULL; /* (pool) -> (runtime, checker or None) */
 static PyObject *error_fn = NULL;   /* (runtime, where, exception): may raise */
@@ -1435,17 +1441,41 @@ out:
     return ret;
 }
 
-static PyObject *
-hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+/* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
+ * NULL with an exception: read on every hook call, so where the dict's
+ * version tag says nothing changed since the last read, that read's object
+ * (a dict lookup was a sixth of a touch's added instructions) */
+static inline PyObject *
+running(void)
 {
-    Hook *h = (Hook *)self;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *rt = PyDict_GetItemWithError(rt_globals, s_runtime); /* borrowed */
+#if PY_VERSION_HEX < 0x030C0000
+    uint64_t v = ((PyDictObject *)rt_globals)->ma_version_tag;
+    if (v == rt_version && v != 0) {
+        return rt_cached;
+    }
+#endif
+    PyObject *rt = PyDict_GetItemWithError(rt_globals, s_runtime);
     if (rt == NULL) {
         if (PyErr_Occurred()) {
             return NULL;
         }
         rt = Py_None;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    rt_version = v;
+    rt_cached = rt;
+#endif
+    return rt;
+}
+
+static PyObject *
+hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Hook *h = (Hook *)self;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *rt = running(); /* borrowed */
+    if (rt == NULL) {
+        return NULL;
     }
     if (rt == Py_None) { /* kvsan is not running: vLLM's method alone */
         return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
@@ -1908,6 +1938,10 @@ hookfast_configure(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_XSETREF(rt_globals, Py_NewRef(globals));
+#if PY_VERSION_HEX < 0x030C0000
+    rt_version = 0; /* another dict: read it anew */
+    rt_cached = NULL;
+#endif
     Py_XSETREF(context_fn, Py_NewRef(ctxf));
     Py_XSETREF(checker_fn, Py_NewRef(ckf));
     Py_XSETREF(error_fn, Py_NewRef(errf));

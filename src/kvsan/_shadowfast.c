@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 7
+#define KVSAN_SHADOWFAST_ABI 8
 
 #include "_capi.h"
 
@@ -133,6 +133,48 @@ get_field(PyObject *obj, int i)
     return PyObject_GetAttr(obj, names[i]);
 }
 
+/* Field ``i`` of ``obj`` as a borrowed pointer, read in line where the
+ * block's type is the one the offsets were resolved for and the slot is
+ * set; NULL otherwise (no exception set: the caller then takes get_field,
+ * which resolves, falls back and raises as before).  A 4-block touch read
+ * 16 fields through get_field's call, reference count and release, which
+ * took as many instructions as vLLM's own touch. */
+static inline PyObject *
+peek(PyObject *obj, int i)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp == slot_type && slot_version != 0 && tp->tp_version_tag == slot_version
+        && (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) && slot_offset[i] >= 0) {
+        return *(PyObject **)((char *)obj + slot_offset[i]);
+    }
+    return NULL;
+}
+
+/* 1 with ``*out`` set when ``v`` is an exact int of at most one digit (block
+ * ids and counts), read from its digit; 0 otherwise (then PyLong_AsSsize_t) */
+static inline int
+small_int(PyObject *v, Py_ssize_t *out)
+{
+#if PY_VERSION_HEX < 0x030C0000 /* ob_size and ob_digit: CPython 3.10 and 3.11 */
+    if (v != NULL && PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0) {
+            *out = 0;
+            return 1;
+        }
+        if (size == 1 || size == -1) {
+            Py_ssize_t d = (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+            *out = size < 0 ? -d : d;
+            return 1;
+        }
+    }
+#else
+    (void)v;
+    (void)out;
+#endif
+    return 0;
+}
+
 /* a tuple of ``n`` new references (stolen; NULL items allowed: then all are
  * released and NULL returned, the exception set by whoever made the NULL).
  * Py_BuildValue parses its format string on every call: on the hot path,
@@ -161,6 +203,82 @@ fail:
     return NULL;
 }
 
+/* What an owner holds: its reference count and since when it holds any,
+ * one object per owner in the shadow's ``held`` dict.  A new owner was an
+ * entry in ``held`` (its count) and one in ``since`` (its complex(time,
+ * step)), and every count change a new int stored again; with the record a
+ * new owner is one dict entry, a count change is a store into the record,
+ * and an owner's last release one delete.  Not tracked by the garbage
+ * collector: it holds a complex and an int, which can be in no cycle. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;   /* references held (>= 1 while in ``held``) */
+    PyObject *when; /* complex(monotonic time, step) it began to hold */
+} Hold;
+
+static PyTypeObject HoldType;
+
+/* a new Hold of ``n`` references since ``when`` (a new reference), NULL with
+ * an exception */
+static PyObject *
+hold_new(Py_ssize_t n, PyObject *when)
+{
+    Hold *h = PyObject_New(Hold, &HoldType);
+    if (h == NULL) {
+        return NULL;
+    }
+    h->n = n;
+    h->when = Py_NewRef(when);
+    return (PyObject *)h;
+}
+
+static PyObject *
+Hold_tp_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"n", "when", NULL};
+    Py_ssize_t n;
+    PyObject *when;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "nO:Hold", kwlist, &n, &when)) {
+        return NULL;
+    }
+    if (type != &HoldType) {
+        PyErr_SetString(PyExc_TypeError, "Hold cannot be subclassed");
+        return NULL;
+    }
+    return hold_new(n, when);
+}
+
+static void
+Hold_dealloc(Hold *h)
+{
+    Py_XDECREF(h->when);
+    PyObject_Free(h);
+}
+
+static PyObject *
+Hold_repr(Hold *h)
+{
+    return PyUnicode_FromFormat("Hold(n=%zd, when=%R)", h->n, h->when);
+}
+
+static PyMemberDef Hold_members[] = {
+    {"n", T_PYSSIZET, offsetof(Hold, n), 0, "references held"},
+    {"when", T_OBJECT_EX, offsetof(Hold, when), 0,
+     "complex(monotonic time, step) at which the owner began to hold"},
+    {NULL},
+};
+
+static PyTypeObject HoldType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsan._shadowfast.Hold",
+    .tp_basicsize = sizeof(Hold),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Hold(n, when): an owner's references and since when it holds any",
+    .tp_new = Hold_tp_new,
+    .tp_dealloc = (destructor)Hold_dealloc,
+    .tp_repr = (reprfunc)Hold_repr,
+    .tp_members = Hold_members,
+};
+
 #define SITE_CACHE 16 /* a power of two */
 
 typedef struct {
@@ -176,9 +294,9 @@ typedef struct {
     PyObject *mism;      /* set: blocks with an unresolved count mismatch */
     PyObject *sh;        /* the ShadowTable (totals, _hold/_unhold, site_id) */
     PyObject *counters;  /* dict: the checker's event counters */
-    PyObject *held;      /* dict: owner -> references held (shadow.held) */
-    PyObject *since;     /* dict: owner -> complex(monotonic time, step) it began to hold */
+    PyObject *held;      /* dict: owner -> Hold (shadow.held) */
     PyObject *last_when; /* the last "since" record made (see held_add) */
+    PyObject *spare;     /* a Hold not in ``held`` yet, or NULL (see held_add) */
     PyObject *ended;     /* dict: shadow.ended */
     PyObject *nonrequest; /* set: shadow.nonrequest */
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
@@ -237,7 +355,6 @@ Table_traverse(Table *self, visitproc visit, void *arg)
     Py_VISIT(self->sh);
     Py_VISIT(self->counters);
     Py_VISIT(self->held);
-    Py_VISIT(self->since);
     Py_VISIT(self->ended);
     Py_VISIT(self->nonrequest);
     Py_VISIT(self->site_ids);
@@ -250,6 +367,7 @@ Table_clear(Table *self)
     Py_CLEAR(self->own0);
     Py_CLEAR(self->own1);
     Py_CLEAR(self->last_when);
+    Py_CLEAR(self->spare);
     Py_CLEAR(self->more);
     Py_CLEAR(self->hashes);
     Py_CLEAR(self->acq_owner);
@@ -259,7 +377,6 @@ Table_clear(Table *self)
     Py_CLEAR(self->sh);
     Py_CLEAR(self->counters);
     Py_CLEAR(self->held);
-    Py_CLEAR(self->since);
     Py_CLEAR(self->ended);
     Py_CLEAR(self->nonrequest);
     Py_CLEAR(self->site_ids);
@@ -321,7 +438,7 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         {"hashes", &self->hashes, &PyList_Type},   {"acq_owner", &self->acq_owner, &PyList_Type},
         {"rel_owner", &self->rel_owner, &PyList_Type}, {"null", &self->null, &PyFrozenSet_Type},
         {"held", &self->held, &PyDict_Type},       {"_site_ids", &self->site_ids, &PyDict_Type},
-        {"since", &self->since, &PyDict_Type},     {"ended", &self->ended, &PyDict_Type},
+        {"ended", &self->ended, &PyDict_Type},
         {"nonrequest", &self->nonrequest, &PySet_Type},
     };
     for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
@@ -396,9 +513,12 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
 #define U16(v) ((unsigned short *)(v).buf)
 
 /* an int attribute of an engine block: 0 ok, -1 error, 1 not an int */
-static int
+static inline int
 int_attr(PyObject *obj, int name, Py_ssize_t *out)
 {
+    if (small_int(peek(obj, name), out)) {
+        return 0;
+    }
     PyObject *v = get_field(obj, name);
     if (v == NULL) {
         return -1;
@@ -417,9 +537,13 @@ int_attr(PyObject *obj, int name, Py_ssize_t *out)
 }
 
 /* 1 / 0: the attribute is / is not None; -1 error */
-static int
+static inline int
 attr_is_none(PyObject *obj, int name)
 {
+    PyObject *p = peek(obj, name);
+    if (p != NULL) {
+        return p == Py_None;
+    }
     PyObject *v = get_field(obj, name);
     if (v == NULL) {
         return -1;
@@ -429,9 +553,13 @@ attr_is_none(PyObject *obj, int name)
     return r;
 }
 
-static int
+static inline int
 attr_true(PyObject *obj, int name)
 {
+    PyObject *p = peek(obj, name);
+    if (p == Py_True || p == Py_False) {
+        return p == Py_True;
+    }
     PyObject *v = get_field(obj, name);
     if (v == NULL) {
         return -1;
@@ -445,7 +573,7 @@ attr_true(PyObject *obj, int name)
 /* a block's id and engine count: 1 both read and the id within the table,
  * 0 not usable here (not ints, or an id out of range: the Python path), -1
  * error */
-static int
+static inline int
 id_and_ref(Table *t, PyObject *blk, Py_ssize_t *b, Py_ssize_t *ref)
 {
     int r = int_attr(blk, A_BLOCK_ID, b);
@@ -494,7 +622,7 @@ table_ok(Table *t)
 {
     if (t->own0 == NULL || t->own1 == NULL || t->hashes == NULL || t->acq_owner == NULL || t->rel_owner == NULL
         || t->more == NULL || t->null == NULL || t->mism == NULL || t->sh == NULL
-        || t->counters == NULL || t->held == NULL || t->site_ids == NULL || t->since == NULL
+        || t->counters == NULL || t->held == NULL || t->site_ids == NULL
         || t->ended == NULL || t->nonrequest == NULL
         || PyList_GET_SIZE(t->own0) != t->n || PyList_GET_SIZE(t->own1) != t->n
         || PyList_GET_SIZE(t->hashes) != t->n || PyList_GET_SIZE(t->acq_owner) != t->n
@@ -511,6 +639,33 @@ set_list(PyObject *list, Py_ssize_t i, PyObject *v)
 {
     Py_INCREF(v);
     return PyList_SetItem(list, i, v);
+}
+
+/* ``o == owner`` as Python's ``==`` (1, 0, -1 error), without a call when
+ * both are strs, as owners are: the pointer first (a request's id is one
+ * str from its first reference to its last), then what str's own equality
+ * compares, the cached hashes first.  A shared block's release compares
+ * its first owner with the one leaving. */
+static inline int
+same_owner(PyObject *o, PyObject *owner)
+{
+    if (o == owner) {
+        return 1;
+    }
+    if (PyUnicode_CheckExact(o) && PyUnicode_CheckExact(owner) && PyUnicode_IS_READY(o)
+        && PyUnicode_IS_READY(owner)) {
+        Py_ssize_t n = PyUnicode_GET_LENGTH(o);
+        if (n != PyUnicode_GET_LENGTH(owner) || PyUnicode_KIND(o) != PyUnicode_KIND(owner)) {
+            return 0;
+        }
+        Py_hash_t h1 = ((PyASCIIObject *)o)->hash, h2 = ((PyASCIIObject *)owner)->hash;
+        if (h1 != -1 && h2 != -1 && h1 != h2) {
+            return 0;
+        }
+        return memcmp(PyUnicode_DATA(o), PyUnicode_DATA(owner),
+                      (size_t)n * PyUnicode_KIND(o)) == 0;
+    }
+    return PyObject_RichCompareBool(o, owner, Py_EQ);
 }
 
 /* index of ``owner`` in list ``lst``, -1 if absent, -2 on error.  The
@@ -535,7 +690,7 @@ find_owner(PyObject *lst, PyObject *owner)
         }
     }
     for (Py_ssize_t j = 0; j < PyList_GET_SIZE(lst); j++) {
-        int r = PyObject_RichCompareBool(PyList_GET_ITEM(lst, j), owner, Py_EQ);
+        int r = same_owner(PyList_GET_ITEM(lst, j), owner);
         if (r != 0) {
             return r < 0 ? -2 : j;
         }
@@ -571,7 +726,7 @@ owns(Table *t, Py_ssize_t b, PyObject *blk, PyObject *owner, PyObject **extra_ou
     if (o == Py_None) {
         return 0;
     }
-    int r = o == owner ? 1 : PyObject_RichCompareBool(o, owner, Py_EQ);
+    int r = same_owner(o, owner);
     if (r != 0) {
         return r;
     }
@@ -579,7 +734,7 @@ owns(Table *t, Py_ssize_t b, PyObject *blk, PyObject *owner, PyObject **extra_ou
     if (o == Py_None) {
         return 0;
     }
-    r = o == owner ? 1 : PyObject_RichCompareBool(o, owner, Py_EQ);
+    r = same_owner(o, owner);
     if (r != 0) {
         return r > 0 ? 4 : r;
     }
@@ -596,7 +751,7 @@ owns(Table *t, Py_ssize_t b, PyObject *blk, PyObject *owner, PyObject **extra_ou
         return PyErr_Occurred() ? -1 : 0;
     }
     if (!PyList_CheckExact(extra)) { /* the one further owner */
-        r = extra == owner ? 1 : PyObject_RichCompareBool(extra, owner, Py_EQ);
+        r = same_owner(extra, owner);
         if (r > 0) {
             *extra_out = extra;
             return 3;
@@ -717,25 +872,45 @@ call_shadow(Table *t, int name, PyObject *owner, Py_ssize_t k)
 
 /* the owner's held count after it took (``sign`` +1) or dropped (-1) ``k``
  * references, as the shadow's ``_hold`` / ``_unhold`` keep it: an owner's
- * first references also file since when it holds (monotonic time, ``step``),
- * its last ones forget it (held, since, ended, nonrequest).  Anything odd (a
- * count that is not a positive int, more dropped than held) goes through
- * the Python methods, which raise or decide there. */
+ * first references make its Hold (with since when it holds: monotonic
+ * time, ``step``), a count change is a store into it, its last references
+ * forget it (held, ended, nonrequest).  Anything odd (an entry that is not
+ * a Hold with a positive count, more dropped than held) goes through the
+ * Python methods, which raise or decide there. */
 static int
 held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
 {
     if (!k) {
         return 0;
     }
-    PyObject *had = PyDict_GetItemWithError(t->held, owner);
+    /* references taken: the owner's entry, or the spare Hold put in its
+     * place, in one lookup (a new owner was a lookup and an insert) */
+    if (sign > 0 && t->spare == NULL && (t->spare = hold_new(0, Py_None)) == NULL) {
+        return -1;
+    }
+    PyObject *had = sign > 0 ? PyDict_SetDefault(t->held, owner, t->spare)
+                             : PyDict_GetItemWithError(t->held, owner); /* borrowed */
     if (had == NULL && PyErr_Occurred()) {
         return -1;
     }
-    Py_ssize_t n = had != NULL && PyLong_CheckExact(had) ? PyLong_AsSsize_t(had) : 0;
-    if (n == -1 && PyErr_Occurred()) {
-        return -1;
+    Hold *fresh = NULL; /* the spare, now the owner's (borrowed: the dict holds it) */
+    if (had != NULL && had == t->spare) {
+        fresh = (Hold *)had;
+        Py_CLEAR(t->spare); /* a new spare next time */
+        had = NULL;
     }
-    if (sign > 0 && had == NULL) { /* _hold of an owner holding nothing */
+    Hold *h = had != NULL && Py_IS_TYPE(had, &HoldType) ? (Hold *)had : NULL;
+    if (h != NULL && h->n > 0) {
+        if (sign > 0) {
+            h->n += k;
+            return 0;
+        }
+        if (h->n > k) {
+            h->n -= k;
+            return 0;
+        }
+    }
+    if (fresh != NULL) { /* _hold of an owner holding nothing: its Hold is in ``held`` */
         struct timespec ts;
         /* time.monotonic's clock on Linux, read at its last tick (a few ms:
          * "held since" is reported in seconds; 3 ns a read instead of 24 on
@@ -746,10 +921,9 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
 #else
         clock_gettime(CLOCK_MONOTONIC, &ts);
 #endif
-        /* complex(time, step): one object, not tracked by gc (see
-         * ShadowTable.since).  The owners that begin to hold in one step
-         * within one tick of the coarse clock (a step's new requests) share
-         * one: an allocation and 32 bytes per owner fewer. */
+        /* complex(time, step): one object.  The owners that begin to hold
+         * in one step within one tick of the coarse clock (a step's new
+         * requests) share one: an allocation and 32 bytes per owner fewer. */
         double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
         PyObject *when = t->last_when;
         if (when != NULL && PyComplex_RealAsDouble(when) == now
@@ -757,31 +931,27 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
             Py_INCREF(when);
         } else {
             when = PyComplex_FromDoubles(now, (double)step);
-            if (when == NULL) {
+            if (when == NULL) { /* the entry goes again: the owner holds nothing */
+                PyObject *et, *ev, *etb;
+                PyErr_Fetch(&et, &ev, &etb);
+                if (PyDict_DelItem(t->held, owner) < 0) {
+                    PyErr_Clear();
+                }
+                PyErr_Restore(et, ev, etb);
                 return -1;
             }
             Py_XSETREF(t->last_when, Py_NewRef(when));
         }
-        int r = PyDict_SetItem(t->since, owner, when);
-        Py_DECREF(when);
-        if (r < 0) {
-            return -1;
-        }
-        PyObject *kv = PyLong_FromSsize_t(k); /* (not there: no lookup first) */
-        r = kv == NULL ? -1 : PyDict_SetItem(t->held, owner, kv);
-        Py_XDECREF(kv);
-        return r;
+        fresh->n = k;
+        Py_SETREF(fresh->when, when);
+        return 0;
     }
-    if (sign < 0 && had != NULL && n == k) { /* _unhold of its last references */
+    if (sign < 0 && h != NULL && h->n == k) { /* _unhold of its last references */
         if (PyDict_DelItem(t->held, owner) < 0) {
             return -1;
         }
-        for (int i = 0; i < 2; i++) { /* since.pop(owner, None), ended.pop(owner, None) */
-            PyObject *d = i ? t->ended : t->since;
-            if (PyDict_GET_SIZE(d) == 0) {
-                continue; /* ended is empty but for leaks */
-            }
-            PyObject *gone = _PyDict_Pop(d, owner, Py_None);
+        if (PyDict_GET_SIZE(t->ended) != 0) { /* ended.pop(owner, None): empty but for leaks */
+            PyObject *gone = _PyDict_Pop(t->ended, owner, Py_None);
             if (gone == NULL) {
                 return -1;
             }
@@ -792,14 +962,7 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
         }
         return PySet_Discard(t->nonrequest, owner) < 0 ? -1 : 0;
     }
-    if (sign > 0 ? n <= 0 : n <= k) {
-        return call_shadow(t, sign > 0 ? K_HOLD : K_UNHOLD, owner, k);
-    }
-    /* n > 0: ``had`` is an int (dict_add's sum, without its second lookup) */
-    PyObject *nv = PyLong_FromSsize_t(sign > 0 ? n + k : n - k);
-    int r = nv == NULL ? -1 : PyDict_SetItem(t->held, owner, nv);
-    Py_XDECREF(nv);
-    return r;
+    return call_shadow(t, sign > 0 ? K_HOLD : K_UNHOLD, owner, k);
 }
 
 /* shadow.site_id(site): a known site is a dict lookup, anything else goes
@@ -1298,13 +1461,17 @@ snapshot_core(Table *t, PyObject *blocks, PyObject *pool, long long *out)
     int clean = 1, err = 0;
     for (i = 0; i < k; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        PyObject *bp = get_field(blk, A_POOL);
-        if (bp == NULL) {
+        PyObject *bp = peek(blk, A_POOL);
+        int ours;
+        if (bp != NULL) {
+            ours = bp == Py_None || bp == pool;
+        } else if ((bp = get_field(blk, A_POOL)) == NULL) {
             err = 1;
             break;
+        } else {
+            ours = bp == Py_None || bp == pool;
+            Py_DECREF(bp);
         }
-        int ours = bp == Py_None || bp == pool;
-        Py_DECREF(bp);
         if (!ours) {
             clean = 0;
             break;
@@ -2217,6 +2384,9 @@ static struct PyModuleDef shadowfast_module = {
 PyMODINIT_FUNC
 PyInit__shadowfast(void)
 {
+    if (PyType_Ready(&HoldType) < 0) {
+        return NULL;
+    }
     if (PyType_Ready(&TableType) < 0) {
         return NULL;
     }
@@ -2244,7 +2414,8 @@ PyInit__shadowfast(void)
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "ABI", KVSAN_SHADOWFAST_ABI) < 0
-        || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0) {
+        || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0
+        || PyModule_AddObjectRef(m, "Hold", (PyObject *)&HoldType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

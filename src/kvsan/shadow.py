@@ -45,6 +45,24 @@ def _held_clock() -> float:
     return _time.monotonic() if _COARSE is None else _time.clock_gettime(_COARSE)
 
 
+try:  # the record kvsan._shadowfast's table keeps and updates in place
+    from ._shadowfast import Hold
+except ImportError:  # not built (or built from another version): the same record in Python
+    class Hold:  # type: ignore[no-redef]
+        """What an owner holds: ``n`` references, since ``when``
+        (complex(monotonic time, step)).  One record per owner, updated in
+        place: a count change is a store, not a new int stored again."""
+
+        __slots__ = ("n", "when")
+
+        def __init__(self, n: int, when: complex):
+            self.n = n
+            self.when = when
+
+        def __repr__(self) -> str:
+            return f"Hold(n={self.n}, when={self.when!r})"
+
+
 class ShadowTable:
     def __init__(self, num_blocks: int, null_blocks: Iterable[int] = (0,)):
         n = int(num_blocks)
@@ -70,19 +88,16 @@ class ShadowTable:
         self.rel_site = array("H", bytes(2 * n))
         self.sites: list[str] = ["?"]
         self._site_ids: dict[str, int] = {"?": 0}
-        #: owner -> number of blocks it holds (only owners holding >= 1)
-        self.held: dict[str, int] = {}
+        #: owner -> what it holds (:class:`Hold`: its references, ``n`` >= 1,
+        #: and since when it holds any, ``when``, as complex(monotonic time,
+        #: step): one 32-byte object the owners that begin to hold in one
+        #: step and one tick of the clock share).  Only owners holding >= 1;
+        #: read through :meth:`held_count` and :meth:`since_of`.
+        self.held: dict[str, Hold] = {}
         #: requests whose release path ran while they still held blocks
         self.ended: dict[str, tuple[str, int]] = {}
         #: owners that are not requests (cow:, deferred:, pin:, anon:)
         self.nonrequest: set[str] = set()
-        #: owner -> when it went from holding nothing to holding a block
-        #: (``kvsan owners``: "for how long"), as complex(monotonic time,
-        #: step): one 32-byte object per owner, where a tuple of a float and
-        #: an int took three (112 bytes); the owners that begin to hold in
-        #: one step and one tick of the clock share one.  Read through
-        #: :meth:`since_of`.
-        self.since: dict[str, complex] = {}
         self._last_when = 0j
         #: the step counter (set by the checker); read only for new owners
         self.clock = _zero
@@ -131,9 +146,15 @@ class ShadowTable:
         return sid
 
     def since_of(self, owner: str) -> tuple[float, int] | None:
-        """(monotonic time, step) at which ``owner`` began to hold blocks."""
-        when = self.since.get(owner)
-        return None if when is None else (when.real, int(when.imag))
+        """(monotonic time, step) at which ``owner`` began to hold blocks
+        (``kvsan owners``: "for how long")."""
+        h = self.held.get(owner)
+        return None if h is None else (h.when.real, int(h.when.imag))
+
+    def held_count(self, owner: str) -> int:
+        """The references ``owner`` holds (0: none)."""
+        h = self.held.get(owner)
+        return 0 if h is None else h.n
 
     # -- owners -------------------------------------------------------------
     def extras(self, b: int) -> list[str]:
@@ -218,26 +239,25 @@ class ShadowTable:
     def _hold(self, owner: str, n: int) -> None:
         """``owner`` holds ``n`` more references (since when, if it held none).
         ``kvsan._shadowfast`` calls it by name for an owner's first reference."""
-        had = self.held.get(owner, 0)
-        if not had:
-            when = complex(_held_clock(), self.clock())
-            if when == self._last_when:
-                when = self._last_when
-            else:
-                self._last_when = when
-            self.since[owner] = when
-        self.held[owner] = had + n
+        h = self.held.get(owner)
+        if h is not None:
+            h.n += n
+            return
+        when = complex(_held_clock(), self.clock())
+        if when == self._last_when:
+            when = self._last_when
+        else:
+            self._last_when = when
+        self.held[owner] = Hold(n, when)
 
     def _unhold(self, owner: str, n: int) -> None:
         """``owner`` holds ``n`` references fewer; one that holds nothing is
         forgotten.  ``kvsan._shadowfast`` calls it by name for an owner's
         last references."""
-        left = self.held[owner] - n
-        if left:
-            self.held[owner] = left
-        else:
+        h = self.held[owner]
+        h.n -= n
+        if not h.n:
             del self.held[owner]
-            self.since.pop(owner, None)
             self.ended.pop(owner, None)
             self.nonrequest.discard(owner)
 
@@ -374,7 +394,7 @@ class ShadowTable:
     def stats(self) -> dict[str, int]:
         usable = self.num_blocks - len(self.null)
         held = self.held
-        leaked = sum(held.get(r, 0) for r in self.ended)
+        leaked = sum(held[r].n for r in self.ended if r in held)
         # O(non-request + ended owners), not O(owners): this runs every step
         others = sum(1 for o in self.nonrequest if o in held)
         others += sum(1 for o in self.ended if o in held and o not in self.nonrequest)
