@@ -52,7 +52,8 @@ def main(argv=None) -> int:
             from . import events
 
             res = events.bench(num_blocks=256, batch=8, batches=4) if q else events.bench()
-            out += ["### Per allocator event (vLLM BlockPool alone vs with kvsan)\n",
+            out += [f"### Per allocator event (vLLM BlockPool alone vs with kvsan, "
+                    f"{res['_params']['processes']} processes per setting pooled)\n",
                     events.markdown(res)]
         elif part == "scale":
             from . import scale

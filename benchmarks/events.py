@@ -116,18 +116,34 @@ def serve_lane(setting: str, num_blocks: int, k: int, batch: int, batches: int) 
     lanes.serve(stepper)
 
 
-def bench(num_blocks: int = 4096, k: int = 4, batch: int = 64, batches: int = 60) -> dict:
+def _pooled(got: dict, setting: str, processes: int) -> dict[str, list[int]]:
+    """Event -> the time of each batch summed over ``setting``'s processes."""
+    runs = [got[f"{setting}#{i}"]["steps"] for i in range(processes)]
+    return {e: [sum(r[j][e] for r in runs) for j in range(min(map(len, runs)))]
+            for e in EVENTS}
+
+
+def bench(num_blocks: int = 4096, k: int = 4, batch: int = 64, batches: int = 60,
+          processes: int = 2) -> dict:
     """Per event: ratio on / off of the time per batch, median and spread
-    over batches, and the absolute cost per call."""
+    over batches, and the absolute cost per call.  Each setting runs in
+    ``processes`` processes, pooled batch by batch: on a noisy machine one
+    process can run its whole life much slower than an identical one (1.8x
+    seen on a 2-core VM), which a single process per setting turns into
+    the ratio."""
     from . import lanes
 
     code = ("from benchmarks.events import serve_lane; serve_lane({!r}, %d, %d, %d, %d)"
             % (num_blocks, k, batch, batches))
-    got = lanes.run({s: (code.format(s), {}) for s in ("off", "default")})
-    if got["default"]["summary"]["violations"]:
-        raise AssertionError(got["default"]["summary"]["violations"])
-    off, on = ({e: [x[e] for x in got[s]["steps"]] for e in EVENTS} for s in ("off", "default"))
-    calls = {"allocate": batch, "cache": batch, "touch": batch, "free": 2 * batch, "evict": 1}
+    got = lanes.run({f"{s}#{i}": (code.format(s), {})
+                     for s in ("off", "default") for i in range(processes)})
+    for i in range(processes):
+        if got[f"default#{i}"]["summary"]["violations"]:
+            raise AssertionError(got[f"default#{i}"]["summary"]["violations"])
+    off, on = (_pooled(got, s, processes) for s in ("off", "default"))
+    calls = {e: n * processes for e, n in
+             {"allocate": batch, "cache": batch, "touch": batch, "free": 2 * batch,
+              "evict": 1}.items()}
     res = {}
     for e in EVENTS:
         ratios = [a / b for a, b in zip(on[e][2:], off[e][2:]) if b]
@@ -136,7 +152,8 @@ def bench(num_blocks: int = 4096, k: int = 4, batch: int = 64, batches: int = 60
             "off_us": median(off[e][2:]) / calls[e] / 1e3,
             "on_us": median(on[e][2:]) / calls[e] / 1e3,
         }
-    res["_params"] = {"num_blocks": num_blocks, "k": k, "batch": batch, "batches": batches}
+    res["_params"] = {"num_blocks": num_blocks, "k": k, "batch": batch, "batches": batches,
+                      "processes": processes}
     return res
 
 
