@@ -263,7 +263,7 @@ Hold_repr(Hold *h)
 
 static PyMemberDef Hold_members[] = {
     {"n", T_PYSSIZET, offsetof(Hold, n), 0, "references held"},
-    {"when", T_OBJECT_EX, offsetof(Hold, when), 0,
+    {"when", T_OBJECT_EX, offsetof(Hold, when), READONLY,
      "complex(monotonic time, step) at which the owner began to hold"},
     {NULL},
 };
