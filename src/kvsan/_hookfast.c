@@ -87,6 +87,33 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where;
 
+/* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
+ * NULL with an exception: read on every hook call, so where the dict's
+ * version tag says nothing changed since the last read, that read's object
+ * (a dict lookup was a sixth of a touch's added instructions) */
+static inline PyObject *
+running(void)
+{
+#if PY_VERSION_HEX < 0x030C0000
+    uint64_t v = ((PyDictObject *)rt_globals)->ma_version_tag;
+    if (v == rt_version && v != 0) {
+        return rt_cached;
+    }
+#endif
+    PyObject *rt = PyDict_GetItemWithError(rt_globals, s_runtime);
+    if (rt == NULL) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        rt = Py_None;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    rt_version = v;
+    rt_cached = rt;
+#endif
+    return rt;
+}
+
 typedef struct {
     PyObject_HEAD
     int kind;
@@ -852,7 +879,7 @@ end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) {
         double t0 = now();
-        PyObject *cur = PyDict_GetItemWithError(rt_globals, s_runtime);
+        PyObject *cur = running();
         int done = cur == rt && end_clean(st, rt, sched, request);
         PyErr_Clear();
         double dt = now() - t0;
@@ -1439,33 +1466,6 @@ out:
     Py_DECREF(st);
     Py_DECREF(rt);
     return ret;
-}
-
-/* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
- * NULL with an exception: read on every hook call, so where the dict's
- * version tag says nothing changed since the last read, that read's object
- * (a dict lookup was a sixth of a touch's added instructions) */
-static inline PyObject *
-running(void)
-{
-#if PY_VERSION_HEX < 0x030C0000
-    uint64_t v = ((PyDictObject *)rt_globals)->ma_version_tag;
-    if (v == rt_version && v != 0) {
-        return rt_cached;
-    }
-#endif
-    PyObject *rt = PyDict_GetItemWithError(rt_globals, s_runtime);
-    if (rt == NULL) {
-        if (PyErr_Occurred()) {
-            return NULL;
-        }
-        rt = Py_None;
-    }
-#if PY_VERSION_HEX < 0x030C0000
-    rt_version = v;
-    rt_cached = rt;
-#endif
-    return rt;
 }
 
 static PyObject *

@@ -1461,17 +1461,13 @@ snapshot_core(Table *t, PyObject *blocks, PyObject *pool, long long *out)
     int clean = 1, err = 0;
     for (i = 0; i < k; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        PyObject *bp = peek(blk, A_POOL);
-        int ours;
-        if (bp != NULL) {
-            ours = bp == Py_None || bp == pool;
-        } else if ((bp = get_field(blk, A_POOL)) == NULL) {
+        PyObject *bp = peek(blk, A_POOL), *got = NULL; /* got: get_field's reference */
+        if (bp == NULL && (bp = got = get_field(blk, A_POOL)) == NULL) {
             err = 1;
             break;
-        } else {
-            ours = bp == Py_None || bp == pool;
-            Py_DECREF(bp);
         }
+        int ours = bp == Py_None || bp == pool;
+        Py_XDECREF(got);
         if (!ours) {
             clean = 0;
             break;
