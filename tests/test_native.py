@@ -30,7 +30,7 @@ def test_speedups_are_built_and_in_use(rt):
     measure and test only the Python paths without noticing)."""
     from kvsan import _frames, _shadowfast, hooks
 
-    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 8
+    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 9
     assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
     m = make_manager(8)
     assert rt.checkers[m.block_pool].fast is not None
@@ -316,7 +316,7 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     """A prefix hit on blocks someone else owns files the new owner in
     ``own1``, further ones in ``more``; the lists the C table makes there
     hold only owner strings, so they are untracked by the garbage collector,
-    as is a new owner's Hold record: left tracked, the thousands alive
+    as is the owners' map (``held``) and the records read from it: left tracked, the thousands alive
     between a hit and its release made the collector run, and walk them,
     every few steps (touch at 16 blocks cost 2x as much with them
     tracked)."""
@@ -334,7 +334,7 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     sh = ck.shadow
     ids = [b.block_id for b in blocks]
     assert [sh.own1[b] for b in ids] == ["B"] * 3 and sh.more == {}  # a second owner: a slot
-    assert not gc.is_tracked(sh.held["B"]) and not gc.is_tracked(sh.held["B"].when)
+    assert not gc.is_tracked(sh.held) and not gc.is_tracked(sh.held["B"])
     ctx[-1] = ("C", "alloc")
     pool.touch(blocks)
     assert {b: sh.more[b] for b in ids} == {b: "C" for b in ids}  # a third: no list
@@ -352,12 +352,12 @@ def test_shared_owner_lists_are_not_left_to_the_collector(rt):
         got = {(sh.own0[b], sh.own1[b], sh.more.get(b)) for b in ids}
         assert got == {left[owner]}, owner  # a list of one: its owner
     ctx.pop()
-    assert sh.more == {} and sh.held == {} and not rt.violations()
+    assert sh.more == {} and len(sh.held) == 0 and not rt.violations()
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
-def test_an_owners_hold_is_one_record_updated_in_place(rt, native_switch, native):
-    """An owner's references and since when it holds any are one record in
+def test_an_owners_hold_is_one_entry_updated_in_place(rt, native_switch, native):
+    """An owner's references and since when it holds any are one entry in
     ``held``, made at its first reference (here a prefix hit), updated in
     place by its later events (its since unchanged), and gone with its
     last reference; the same on both routes."""
@@ -371,13 +371,14 @@ def test_an_owners_hold_is_one_record_updated_in_place(rt, native_switch, native
     shared = pool.get_new_blocks(3)
     ctx[-1] = ("B", "alloc")
     pool.touch(shared)
-    rec, since = sh.held["B"], sh.since_of("B")
-    assert sh.held_count("B") == 3 and since is not None
+    since = sh.since_of("B")
+    assert sh.held_count("B") == 3 and since is not None and since[1] == rt.step
+    assert len(sh.held) == 2 and sorted(sh.held) == ["A", "B"]
     own = pool.get_new_blocks(2)
-    assert sh.held["B"] is rec and sh.held_count("B") == 5 and sh.since_of("B") == since
+    assert sh.held_count("B") == 5 and sh.since_of("B") == since and len(sh.held) == 2
     ctx[-1] = ("B", "free")
     pool.free_blocks(reversed(own))
-    assert sh.held["B"] is rec and rec.n == 3
+    assert sh.held["B"].n == 3 and sh.held["B"].when == complex(*since)
     pool.free_blocks(reversed(shared))
     assert "B" not in sh.held and sh.held_count("B") == 0 and sh.since_of("B") is None
     assert sh.held_count("A") == 3

@@ -50,6 +50,17 @@ complete(_PyInterpreterFrame *f)
     return f;
 }
 
+/* is_kvsan's answers: code object (a strong reference, so its address is
+ * never another code object's while here) -> 1 / 0; cleared by configure() */
+#define KVSAN_CACHE_SIZE 64 /* a power of two */
+
+typedef struct {
+    PyObject *code;
+    int kvsan;
+} KvsanEntry;
+
+static KvsanEntry kvsan_cache[KVSAN_CACHE_SIZE];
+
 /* 1: the frame is kvsan's patching (a trampoline or a hook function), 0: not,
  * -1: error */
 static int
@@ -59,9 +70,22 @@ is_kvsan(_PyInterpreterFrame *f)
     if ((PyObject *)code == trampoline_code) {
         return 1;
     }
+    /* the answer per code object, cached (a prefix compare of its file name
+     * was a fifth of a hook's context read; the caller is the same few
+     * engine functions every call) */
+    uintptr_t p = (uintptr_t)code;
+    KvsanEntry *e = &kvsan_cache[((p >> 4) ^ (p >> 12)) & (KVSAN_CACHE_SIZE - 1)];
+    if (e->code == (PyObject *)code) {
+        return e->kvsan;
+    }
     Py_ssize_t r = PyUnicode_Tailmatch(code->co_filename, hooks_prefix, 0,
                                        PY_SSIZE_T_MAX, -1);
-    return r < 0 ? -1 : (int)r;
+    if (r < 0) {
+        return -1;
+    }
+    e->kvsan = (int)r;
+    Py_XSETREF(e->code, Py_NewRef((PyObject *)code));
+    return (int)r;
 }
 
 /* the engine frame at or above ``f`` (NULL: none); -1 in *err on error */
@@ -126,6 +150,9 @@ clear_owner_cache(void)
 static void
 clear_caches(void)
 {
+    for (int i = 0; i < KVSAN_CACHE_SIZE; i++) {
+        Py_CLEAR(kvsan_cache[i].code);
+    }
     for (int i = 0; i < CACHE_SIZE; i++) {
         Py_CLEAR(site_cache[i].code);
         Py_CLEAR(site_cache[i].text);

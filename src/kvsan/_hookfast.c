@@ -806,9 +806,8 @@ end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
     if (text == NULL || PyDict_Contains(requests, rid) != 0) {
         goto out; /* a status not seen yet, or a delayed free */
     }
-    PyObject *n = PyDict_GetItemWithError(held, rid);
-    if (n != NULL || PyErr_Occurred()) {
-        goto out; /* it still holds blocks (or an entry kvsan's Python reads) */
+    if (PySequence_Contains(held, rid) != 0) {
+        goto out; /* it still holds blocks (or the map failed: Python decides) */
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(managers); i++) {
         PyObject *tables = PyObject_GetAttr(PyTuple_GET_ITEM(managers, i), s_req_to_blocks);
@@ -1818,7 +1817,11 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
         ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
              && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
         for (int i = 2; i < 6; i++) {
-            ok &= PyDict_CheckExact(PyTuple_GET_ITEM(value, i));
+            PyObject *o = PyTuple_GET_ITEM(value, i);
+            /* the shadow's held owners (3): any container end_clean can ask */
+            ok &= i == 3 ? Py_TYPE(o)->tp_as_sequence != NULL
+                               && Py_TYPE(o)->tp_as_sequence->sq_contains != NULL
+                         : PyDict_CheckExact(o);
         }
         ok &= PyLong_CheckExact(PyTuple_GET_ITEM(value, 6))
               && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
@@ -1832,8 +1835,8 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
     }
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
-                        "state: None; for an END hook (weak ref, weak ref, dict, dict, dict, "
-                        "dict, int, tuple); for a STEP hook (weak ref, list, dict); for a GUARD "
+                        "state: None; for an END hook (weak ref, weak ref, dict, held owners "
+                        "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, list, dict); for a GUARD "
                         "hook (weak ref, list, None)");
         return -1;
     }

@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 8
+#define KVSAN_SHADOWFAST_ABI 9
 
 #include "_capi.h"
 
@@ -204,12 +204,10 @@ fail:
 }
 
 /* What an owner holds: its reference count and since when it holds any,
- * one object per owner in the shadow's ``held`` dict.  A new owner was an
- * entry in ``held`` (its count) and one in ``since`` (its complex(time,
- * step)), and every count change a new int stored again; with the record a
- * new owner is one dict entry, a count change is a store into the record,
- * and an owner's last release one delete.  Not tracked by the garbage
- * collector: it holds a complex and an int, which can be in no cycle. */
+ * as Python reads an entry of the shadow's ``held`` (a HeldMap, below,
+ * which keeps its entries inline and makes one of these per read).  Not
+ * tracked by the garbage collector: it holds a complex and an int, which
+ * can be in no cycle. */
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n;   /* references held (>= 1 while in ``held``) */
@@ -279,6 +277,452 @@ static PyTypeObject HoldType = {
     .tp_members = Hold_members,
 };
 
+/* ---- HeldMap: shadow.held, owner -> what it holds ------------------------
+ *
+ * Every request's first reference (its prefix hit or first allocation)
+ * makes an entry here and its last release removes it.  As a dict of Hold
+ * records that was a dict insert (with the churn's periodic rebuild of the
+ * dict: deleted entries are not reused), a Hold allocated, a dict delete
+ * and a Hold freed per request: profiled in a 4-block prefix hit, 480 of
+ * kvsan's 1,700 instructions.  Here an owner is one inline entry of an
+ * open-addressed table (its count, time and step in place, no object per
+ * owner; removed slots are reused), keyed by the owner str with its cached
+ * hash.  Owners are strs; Python reads an entry as a Hold snapshot. */
+
+typedef struct {
+    PyObject *key;   /* the owner; NULL never used; HELD_DUMMY removed */
+    Py_hash_t hash;
+    Py_ssize_t n;    /* references held (>= 1 while in the map) */
+    double t;        /* monotonic time (coarse clock) it began to hold */
+    long long step;  /* the step it began to hold */
+} HeldEntry;
+
+typedef struct {
+    PyObject_HEAD
+    HeldEntry *e;
+    size_t mask; /* capacity - 1; the capacity is a power of two */
+    Py_ssize_t used; /* owners */
+    Py_ssize_t fill; /* owners + removed slots (a probe ends at a never-used one) */
+} HeldMap;
+
+static char held_dummy_mark;
+#define HELD_DUMMY ((PyObject *)&held_dummy_mark)
+#define HELD_MIN 8
+
+static PyTypeObject HeldMapType;
+
+static inline int
+held_key(PyObject *owner, Py_hash_t *h)
+{
+    if (!PyUnicode_Check(owner)) {
+        PyErr_Format(PyExc_TypeError, "kvsan shadow.held: an owner is a str, not %.100s",
+                     Py_TYPE(owner)->tp_name);
+        return -1;
+    }
+#if PY_VERSION_HEX < 0x030C0000
+    if (PyUnicode_READY(owner) < 0) {
+        return -1;
+    }
+#endif
+    *h = PyObject_Hash(owner); /* a str's is cached: the engine's request ids have one */
+    return *h == -1 ? -1 : 0;
+}
+
+static inline int
+held_same(PyObject *a, PyObject *b)
+{
+    Py_ssize_t len = PyUnicode_GET_LENGTH(a);
+    int kind = PyUnicode_KIND(a);
+    return len == PyUnicode_GET_LENGTH(b) && kind == PyUnicode_KIND(b)
+           && memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)len * (size_t)kind) == 0;
+}
+
+/* ``owner``'s entry (*found 1), or the slot it would take (*found 0: the
+ * first removed slot on its probe, else the never-used one that ended it) */
+static HeldEntry *
+held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
+{
+    size_t mask = m->mask, i = (size_t)h & mask, perturb = (size_t)h;
+    HeldEntry *slot = NULL;
+    for (;;) {
+        HeldEntry *e = &m->e[i];
+        PyObject *k = e->key;
+        if (k == NULL) {
+            *found = 0;
+            return slot != NULL ? slot : e;
+        }
+        if (k == HELD_DUMMY) {
+            if (slot == NULL) {
+                slot = e;
+            }
+        } else if (k == owner || (e->hash == h && held_same(k, owner))) {
+            *found = 1;
+            return e;
+        }
+        perturb >>= 5;
+        i = (i * 5 + perturb + 1) & mask;
+    }
+}
+
+/* the table rebuilt for ``need`` owners: at most a quarter full, removed
+ * slots dropped; -1 with MemoryError */
+static int
+held_resize(HeldMap *m, Py_ssize_t need)
+{
+    size_t cap = HELD_MIN;
+    while (cap < (size_t)need * 4) {
+        cap <<= 1;
+    }
+    HeldEntry *e = PyMem_Calloc(cap, sizeof(HeldEntry));
+    if (e == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    HeldEntry *old = m->e;
+    size_t old_cap = old != NULL ? m->mask + 1 : 0;
+    m->e = e;
+    m->mask = cap - 1;
+    m->fill = m->used;
+    for (size_t j = 0; j < old_cap; j++) {
+        if (old[j].key != NULL && old[j].key != HELD_DUMMY) {
+            size_t mask = m->mask, i = (size_t)old[j].hash & mask, perturb = (size_t)old[j].hash;
+            while (e[i].key != NULL) {
+                perturb >>= 5;
+                i = (i * 5 + perturb + 1) & mask;
+            }
+            e[i] = old[j];
+        }
+    }
+    PyMem_Free(old);
+    return 0;
+}
+
+/* the held-since clock: time.monotonic's on Linux, read at its last tick
+ * (a few ms: "held since" is reported in seconds; 3 ns a read instead of
+ * 24).  Never later than time.monotonic(), so a time held is never < 0. */
+static double
+held_clock(void)
+{
+    struct timespec ts;
+#ifdef CLOCK_MONOTONIC_COARSE
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+#else
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+#endif
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ``owner`` holds ``k`` more references; a new owner is stamped (now,
+ * ``step``).  0, or -1 with an exception (nothing changed). */
+static int
+held_take(HeldMap *m, PyObject *owner, Py_ssize_t k, long long step)
+{
+    Py_hash_t h;
+    if (held_key(owner, &h) < 0) {
+        return -1;
+    }
+    int found;
+    HeldEntry *e = held_find(m, owner, h, &found);
+    if (found) {
+        e->n += k;
+        return 0;
+    }
+    if (e->key == NULL && (size_t)(m->fill + 1) * 3 > (m->mask + 1) * 2) {
+        if (held_resize(m, m->used + 1) < 0) {
+            return -1;
+        }
+        e = held_find(m, owner, h, &found);
+    }
+    if (e->key == NULL) {
+        m->fill++;
+    }
+    m->used++;
+    e->key = Py_NewRef(owner);
+    e->hash = h;
+    e->n = k;
+    e->t = held_clock();
+    e->step = step;
+    return 0;
+}
+
+/* ``owner``'s entry, or NULL (with an exception only for a key that is not
+ * a str) */
+static HeldEntry *
+held_get(HeldMap *m, PyObject *owner)
+{
+    Py_hash_t h;
+    if (held_key(owner, &h) < 0) {
+        return NULL;
+    }
+    int found;
+    HeldEntry *e = held_find(m, owner, h, &found);
+    return found ? e : NULL;
+}
+
+static void
+held_remove(HeldMap *m, HeldEntry *e)
+{
+    PyObject *k = e->key;
+    e->key = HELD_DUMMY;
+    m->used--;
+    Py_DECREF(k);
+}
+
+static PyObject *
+held_snapshot(HeldEntry *e)
+{
+    PyObject *when = PyComplex_FromDoubles(e->t, (double)e->step);
+    if (when == NULL) {
+        return NULL;
+    }
+    PyObject *h = hold_new(e->n, when);
+    Py_DECREF(when);
+    return h;
+}
+
+static PyObject *
+HeldMap_tp_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kw, ":HeldMap", kwlist)) {
+        return NULL;
+    }
+    if (type != &HeldMapType) {
+        PyErr_SetString(PyExc_TypeError, "HeldMap cannot be subclassed");
+        return NULL;
+    }
+    HeldMap *m = PyObject_New(HeldMap, &HeldMapType);
+    if (m == NULL) {
+        return NULL;
+    }
+    m->e = NULL;
+    m->used = m->fill = 0;
+    if (held_resize(m, 0) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return (PyObject *)m;
+}
+
+static void
+HeldMap_dealloc(HeldMap *m)
+{
+    if (m->e != NULL) {
+        for (size_t j = 0; j <= m->mask; j++) {
+            if (m->e[j].key != NULL && m->e[j].key != HELD_DUMMY) {
+                Py_DECREF(m->e[j].key);
+            }
+        }
+        PyMem_Free(m->e);
+    }
+    PyObject_Free(m);
+}
+
+static Py_ssize_t
+HeldMap_len(HeldMap *m)
+{
+    return m->used;
+}
+
+static int
+HeldMap_contains(HeldMap *m, PyObject *owner)
+{
+    HeldEntry *e = held_get(m, owner);
+    if (e == NULL && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return -1;
+        }
+        PyErr_Clear(); /* not a str: not an owner */
+    }
+    return e != NULL;
+}
+
+static PyObject *
+HeldMap_getitem(HeldMap *m, PyObject *owner)
+{
+    HeldEntry *e = held_get(m, owner);
+    if (e == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, owner);
+        }
+        return NULL;
+    }
+    return held_snapshot(e);
+}
+
+/* the owners, in table order (a list: iterating never sees the map change) */
+static PyObject *
+HeldMap_keys(HeldMap *m, PyObject *unused)
+{
+    PyObject *out = PyList_New(m->used);
+    if (out == NULL) {
+        return NULL;
+    }
+    Py_ssize_t i = 0;
+    for (size_t j = 0; j <= m->mask && i < m->used; j++) {
+        PyObject *k = m->e[j].key;
+        if (k != NULL && k != HELD_DUMMY) {
+            PyList_SET_ITEM(out, i++, Py_NewRef(k));
+        }
+    }
+    return out;
+}
+
+static PyObject *
+HeldMap_iter(HeldMap *m)
+{
+    PyObject *keys = HeldMap_keys(m, NULL);
+    if (keys == NULL) {
+        return NULL;
+    }
+    PyObject *it = PyObject_GetIter(keys);
+    Py_DECREF(keys);
+    return it;
+}
+
+static PyObject *
+HeldMap_items(HeldMap *m, PyObject *unused)
+{
+    PyObject *out = PyList_New(0);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (size_t j = 0; j <= m->mask; j++) {
+        HeldEntry *e = &m->e[j];
+        if (e->key == NULL || e->key == HELD_DUMMY) {
+            continue;
+        }
+        PyObject *h = held_snapshot(e);
+        PyObject *pair = h == NULL ? NULL : PyTuple_Pack(2, e->key, h);
+        Py_XDECREF(h);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return out;
+}
+
+static PyObject *
+HeldMap_get(HeldMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 1 || nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "get(owner[, default]): %zd arguments given", nargs);
+        return NULL;
+    }
+    HeldEntry *e = held_get(m, args[0]);
+    if (e == NULL) {
+        if (PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) {
+                return NULL;
+            }
+            PyErr_Clear();
+        }
+        return Py_NewRef(nargs == 2 ? args[1] : Py_None);
+    }
+    return held_snapshot(e);
+}
+
+/* take(owner, n, step): ``owner`` holds ``n`` more references (stamped
+ * with the time and ``step`` if it held none) */
+static PyObject *
+HeldMap_take(HeldMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t n;
+    long long step;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "take(owner, n, step): %zd arguments given", nargs);
+        return NULL;
+    }
+    if ((n = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if ((step = PyLong_AsLongLong(args[2])) == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (held_take(m, args[0], n, step) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* drop(owner, n) -> what it still holds: ``n`` references fewer; an owner
+ * left with none is forgotten.  KeyError for an owner that holds nothing. */
+static PyObject *
+HeldMap_drop(HeldMap *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    Py_ssize_t n;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "drop(owner, n): %zd arguments given", nargs);
+        return NULL;
+    }
+    if ((n = PyLong_AsSsize_t(args[1])) == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    HeldEntry *e = held_get(m, args[0]);
+    if (e == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, args[0]);
+        }
+        return NULL;
+    }
+    e->n -= n;
+    Py_ssize_t left = e->n;
+    if (!left) {
+        held_remove(m, e);
+    }
+    return PyLong_FromSsize_t(left);
+}
+
+static PyObject *
+HeldMap_repr(HeldMap *m)
+{
+    PyObject *items = HeldMap_items(m, NULL);
+    if (items == NULL) {
+        return NULL;
+    }
+    PyObject *r = PyUnicode_FromFormat("HeldMap(%R)", items);
+    Py_DECREF(items);
+    return r;
+}
+
+static PyMappingMethods HeldMap_as_mapping = {
+    .mp_length = (lenfunc)HeldMap_len,
+    .mp_subscript = (binaryfunc)HeldMap_getitem,
+};
+
+static PySequenceMethods HeldMap_as_sequence = {
+    .sq_contains = (objobjproc)HeldMap_contains,
+};
+
+static PyMethodDef HeldMap_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))HeldMap_get, METH_FASTCALL,
+     "get(owner, default=None): the owner's Hold (a snapshot), or default"},
+    {"keys", (PyCFunction)HeldMap_keys, METH_NOARGS, "the owners (a list)"},
+    {"items", (PyCFunction)HeldMap_items, METH_NOARGS, "(owner, Hold) pairs (a list)"},
+    {"take", (PyCFunction)(void (*)(void))HeldMap_take, METH_FASTCALL,
+     "take(owner, n, step): n more references (stamped now and at step if new)"},
+    {"drop", (PyCFunction)(void (*)(void))HeldMap_drop, METH_FASTCALL,
+     "drop(owner, n) -> references left (0: the owner is forgotten)"},
+    {NULL},
+};
+
+static PyTypeObject HeldMapType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsan._shadowfast.HeldMap",
+    .tp_basicsize = sizeof(HeldMap),
+    .tp_flags = Py_TPFLAGS_DEFAULT, /* holds strs only: in no reference cycle */
+    .tp_doc = "HeldMap(): owner -> what it holds (shadow.held), entries inline",
+    .tp_new = HeldMap_tp_new,
+    .tp_dealloc = (destructor)HeldMap_dealloc,
+    .tp_repr = (reprfunc)HeldMap_repr,
+    .tp_as_mapping = &HeldMap_as_mapping,
+    .tp_as_sequence = &HeldMap_as_sequence,
+    .tp_iter = (getiterfunc)HeldMap_iter,
+    .tp_methods = HeldMap_methods,
+};
+
 #define SITE_CACHE 16 /* a power of two */
 
 typedef struct {
@@ -294,9 +738,7 @@ typedef struct {
     PyObject *mism;      /* set: blocks with an unresolved count mismatch */
     PyObject *sh;        /* the ShadowTable (totals, _hold/_unhold, site_id) */
     PyObject *counters;  /* dict: the checker's event counters */
-    PyObject *held;      /* dict: owner -> Hold (shadow.held) */
-    PyObject *last_when; /* the last "since" record made (see held_add) */
-    PyObject *spare;     /* a Hold not in ``held`` yet, or NULL (see held_add) */
+    PyObject *held;      /* HeldMap: shadow.held */
     PyObject *ended;     /* dict: shadow.ended */
     PyObject *nonrequest; /* set: shadow.nonrequest */
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
@@ -366,8 +808,6 @@ Table_clear(Table *self)
 {
     Py_CLEAR(self->own0);
     Py_CLEAR(self->own1);
-    Py_CLEAR(self->last_when);
-    Py_CLEAR(self->spare);
     Py_CLEAR(self->more);
     Py_CLEAR(self->hashes);
     Py_CLEAR(self->acq_owner);
@@ -437,7 +877,7 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         {"more", &self->more, &PyDict_Type},
         {"hashes", &self->hashes, &PyList_Type},   {"acq_owner", &self->acq_owner, &PyList_Type},
         {"rel_owner", &self->rel_owner, &PyList_Type}, {"null", &self->null, &PyFrozenSet_Type},
-        {"held", &self->held, &PyDict_Type},       {"_site_ids", &self->site_ids, &PyDict_Type},
+        {"held", &self->held, &HeldMapType},       {"_site_ids", &self->site_ids, &PyDict_Type},
         {"ended", &self->ended, &PyDict_Type},
         {"nonrequest", &self->nonrequest, &PySet_Type},
     };
@@ -634,10 +1074,18 @@ table_ok(Table *t)
     return 1;
 }
 
-static int
+/* list[i] = v: in line for the table's own lists (a call to PyList_SetItem
+ * per store was 8 of a 4-block touch's calls), PyList_SetItem otherwise */
+static inline int
 set_list(PyObject *list, Py_ssize_t i, PyObject *v)
 {
     Py_INCREF(v);
+    if (PyList_CheckExact(list) && (size_t)i < (size_t)PyList_GET_SIZE(list)) {
+        PyObject *old = PyList_GET_ITEM(list, i);
+        PyList_SET_ITEM(list, i, v);
+        Py_XDECREF(old);
+        return 0;
+    }
     return PyList_SetItem(list, i, v);
 }
 
@@ -807,10 +1255,10 @@ pop_extra(Table *t, PyObject *key, PyObject *extra, Py_ssize_t j)
 
 /* ---- the event's bookkeeping (what AllocatorChecker / ShadowTable do in
  * Python after an event: counters, totals, held counts, site ids) ---- */
-enum { K_ALLOCATED, K_EVICTED, K_SHARED, K_RELEASED, K_N_OWNED, K_N_CACHED_FREE, K_HOLD,
-       K_UNHOLD, K_SITE_ID, N_KEYS };
+enum { K_ALLOCATED, K_EVICTED, K_SHARED, K_RELEASED, K_N_OWNED, K_N_CACHED_FREE, K_UNHOLD,
+       K_SITE_ID, N_KEYS };
 static const char *key_names[N_KEYS] = {"allocated", "evicted", "shared", "released",
-                                        "_n_owned", "_n_cached_free", "_hold", "_unhold",
+                                        "_n_owned", "_n_cached_free", "_unhold",
                                         "site_id"};
 static PyObject *keys[N_KEYS];
 
@@ -872,97 +1320,43 @@ call_shadow(Table *t, int name, PyObject *owner, Py_ssize_t k)
 
 /* the owner's held count after it took (``sign`` +1) or dropped (-1) ``k``
  * references, as the shadow's ``_hold`` / ``_unhold`` keep it: an owner's
- * first references make its Hold (with since when it holds: monotonic
- * time, ``step``), a count change is a store into it, its last references
- * forget it (held, ended, nonrequest).  Anything odd (an entry that is not
- * a Hold with a positive count, more dropped than held) goes through the
- * Python methods, which raise or decide there. */
+ * first references make its entry (stamped with the time and ``step``), a
+ * count change is a store into it, its last references forget it (held,
+ * ended, nonrequest).  Anything odd (an owner dropping what it does not
+ * hold) goes through the Python method, which raises or decides there. */
 static int
 held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
 {
     if (!k) {
         return 0;
     }
-    /* references taken: the owner's entry, or the spare Hold put in its
-     * place, in one lookup (a new owner was a lookup and an insert) */
-    if (sign > 0 && t->spare == NULL && (t->spare = hold_new(0, Py_None)) == NULL) {
-        return -1;
+    HeldMap *m = (HeldMap *)t->held;
+    if (sign > 0) {
+        return held_take(m, owner, k, step);
     }
-    PyObject *had = sign > 0 ? PyDict_SetDefault(t->held, owner, t->spare)
-                             : PyDict_GetItemWithError(t->held, owner); /* borrowed */
-    if (had == NULL && PyErr_Occurred()) {
-        return -1;
-    }
-    Hold *fresh = NULL; /* the spare, now the owner's (borrowed: the dict holds it) */
-    if (had != NULL && had == t->spare) {
-        fresh = (Hold *)had;
-        Py_CLEAR(t->spare); /* a new spare next time */
-        had = NULL;
-    }
-    Hold *h = had != NULL && Py_IS_TYPE(had, &HoldType) ? (Hold *)had : NULL;
-    if (h != NULL && h->n > 0) {
-        if (sign > 0) {
-            h->n += k;
-            return 0;
-        }
-        if (h->n > k) {
-            h->n -= k;
-            return 0;
-        }
-    }
-    if (fresh != NULL) { /* _hold of an owner holding nothing: its Hold is in ``held`` */
-        struct timespec ts;
-        /* time.monotonic's clock on Linux, read at its last tick (a few ms:
-         * "held since" is reported in seconds; 3 ns a read instead of 24 on
-         * an owner's first reference, every prefix hit of a new request).
-         * Never later than time.monotonic(), so a time held is never < 0. */
-#ifdef CLOCK_MONOTONIC_COARSE
-        clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-#else
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-#endif
-        /* complex(time, step): one object.  The owners that begin to hold
-         * in one step within one tick of the coarse clock (a step's new
-         * requests) share one: an allocation and 32 bytes per owner fewer. */
-        double now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
-        PyObject *when = t->last_when;
-        if (when != NULL && PyComplex_RealAsDouble(when) == now
-            && PyComplex_ImagAsDouble(when) == (double)step) {
-            Py_INCREF(when);
-        } else {
-            when = PyComplex_FromDoubles(now, (double)step);
-            if (when == NULL) { /* the entry goes again: the owner holds nothing */
-                PyObject *et, *ev, *etb;
-                PyErr_Fetch(&et, &ev, &etb);
-                if (PyDict_DelItem(t->held, owner) < 0) {
-                    PyErr_Clear();
-                }
-                PyErr_Restore(et, ev, etb);
-                return -1;
-            }
-            Py_XSETREF(t->last_when, Py_NewRef(when));
-        }
-        fresh->n = k;
-        Py_SETREF(fresh->when, when);
-        return 0;
-    }
-    if (sign < 0 && h != NULL && h->n == k) { /* _unhold of its last references */
-        if (PyDict_DelItem(t->held, owner) < 0) {
+    HeldEntry *e = held_get(m, owner);
+    if (e == NULL) {
+        if (PyErr_Occurred()) {
             return -1;
         }
-        if (PyDict_GET_SIZE(t->ended) != 0) { /* ended.pop(owner, None): empty but for leaks */
-            PyObject *gone = _PyDict_Pop(t->ended, owner, Py_None);
-            if (gone == NULL) {
-                return -1;
-            }
-            Py_DECREF(gone);
-        }
-        if (PySet_GET_SIZE(t->nonrequest) == 0) {
-            return 0;
-        }
-        return PySet_Discard(t->nonrequest, owner) < 0 ? -1 : 0;
+        return call_shadow(t, K_UNHOLD, owner, k);
     }
-    return call_shadow(t, sign > 0 ? K_HOLD : K_UNHOLD, owner, k);
+    if (e->n != k) {
+        e->n -= k;
+        return 0;
+    }
+    held_remove(m, e); /* _unhold of its last references */
+    if (PyDict_GET_SIZE(t->ended) != 0) { /* ended.pop(owner, None): empty but for leaks */
+        PyObject *gone = _PyDict_Pop(t->ended, owner, Py_None);
+        if (gone == NULL) {
+            return -1;
+        }
+        Py_DECREF(gone);
+    }
+    if (PySet_GET_SIZE(t->nonrequest) == 0) {
+        return 0;
+    }
+    return PySet_Discard(t->nonrequest, owner) < 0 ? -1 : 0;
 }
 
 /* shadow.site_id(site): a known site is a dict lookup, anything else goes
@@ -2380,6 +2774,9 @@ static struct PyModuleDef shadowfast_module = {
 PyMODINIT_FUNC
 PyInit__shadowfast(void)
 {
+    if (PyType_Ready(&HeldMapType) < 0) {
+        return NULL;
+    }
     if (PyType_Ready(&HoldType) < 0) {
         return NULL;
     }
@@ -2411,7 +2808,8 @@ PyInit__shadowfast(void)
     }
     if (PyModule_AddIntConstant(m, "ABI", KVSAN_SHADOWFAST_ABI) < 0
         || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0
-        || PyModule_AddObjectRef(m, "Hold", (PyObject *)&HoldType) < 0) {
+        || PyModule_AddObjectRef(m, "Hold", (PyObject *)&HoldType) < 0
+        || PyModule_AddObjectRef(m, "HeldMap", (PyObject *)&HeldMapType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -34,9 +34,9 @@ def _zero() -> int:
 
 
 #: time.monotonic's clock read at its last tick (a few ms; never later than
-#: time.monotonic()): "held since" is reported in seconds, and the owners
-#: that begin to hold in one step then share one record (see ``_hold``)
-#: (Linux's clock id 6; Python's time module does not name it)
+#: time.monotonic()): "held since" is reported in seconds, and
+#: kvsan._shadowfast's map reads the same clock (Linux's clock id 6;
+#: Python's time module does not name it)
 _COARSE = getattr(_time, "CLOCK_MONOTONIC_COARSE",
                   6 if _sys.platform.startswith("linux") else None)
 
@@ -45,13 +45,12 @@ def _held_clock() -> float:
     return _time.monotonic() if _COARSE is None else _time.clock_gettime(_COARSE)
 
 
-try:  # the record kvsan._shadowfast's table keeps and updates in place
-    from ._shadowfast import Hold
-except ImportError:  # not built (or built from another version): the same record in Python
+try:  # the map kvsan._shadowfast keeps (entries inline) and the record it reads out
+    from ._shadowfast import HeldMap, Hold
+except ImportError:  # not built (or built from another version): the same in Python
     class Hold:  # type: ignore[no-redef]
         """What an owner holds: ``n`` references, since ``when``
-        (complex(monotonic time, step)).  One record per owner, updated in
-        place: a count change is a store, not a new int stored again."""
+        (complex(monotonic time, step)), as read from :class:`HeldMap`."""
 
         __slots__ = ("n", "when")
 
@@ -61,6 +60,61 @@ except ImportError:  # not built (or built from another version): the same recor
 
         def __repr__(self) -> str:
             return f"Hold(n={self.n}, when={self.when!r})"
+
+    class HeldMap:  # type: ignore[no-redef]
+        """owner -> what it holds: ``take`` / ``drop`` change it, reads give
+        :class:`Hold` records (kvsan._shadowfast's map, in Python)."""
+
+        __slots__ = ("_d",)
+
+        def __init__(self):
+            self._d: dict[str, Hold] = {}
+
+        def _key(self, owner):
+            if not isinstance(owner, str):
+                raise TypeError(f"kvsan shadow.held: an owner is a str, not "
+                                f"{type(owner).__name__}")
+            return owner
+
+        def take(self, owner: str, n: int, step: int) -> None:
+            h = self._d.get(self._key(owner))
+            if h is not None:
+                h.n += n
+            else:
+                self._d[owner] = Hold(n, complex(_held_clock(), step))
+
+        def drop(self, owner: str, n: int) -> int:
+            h = self._d[self._key(owner)]
+            h.n -= n
+            if not h.n:
+                del self._d[owner]
+            return h.n
+
+        def get(self, owner, default=None):
+            h = self._d.get(owner) if isinstance(owner, str) else None
+            return default if h is None else Hold(h.n, h.when)
+
+        def __getitem__(self, owner) -> Hold:
+            h = self._d[self._key(owner)]
+            return Hold(h.n, h.when)
+
+        def __contains__(self, owner) -> bool:
+            return owner in self._d
+
+        def __len__(self) -> int:
+            return len(self._d)
+
+        def __iter__(self):
+            return iter(list(self._d))
+
+        def keys(self) -> list[str]:
+            return list(self._d)
+
+        def items(self) -> list[tuple[str, Hold]]:
+            return [(o, Hold(h.n, h.when)) for o, h in self._d.items()]
+
+        def __repr__(self) -> str:
+            return f"HeldMap({self.items()!r})"
 
 
 class ShadowTable:
@@ -88,17 +142,15 @@ class ShadowTable:
         self.rel_site = array("H", bytes(2 * n))
         self.sites: list[str] = ["?"]
         self._site_ids: dict[str, int] = {"?": 0}
-        #: owner -> what it holds (:class:`Hold`: its references, ``n`` >= 1,
-        #: and since when it holds any, ``when``, as complex(monotonic time,
-        #: step): one 32-byte object the owners that begin to hold in one
-        #: step and one tick of the clock share).  Only owners holding >= 1;
-        #: read through :meth:`held_count` and :meth:`since_of`.
-        self.held: dict[str, Hold] = {}
+        #: owner -> what it holds (:class:`HeldMap`: its references, >= 1,
+        #: and since when it holds any, (monotonic time, step), inline; read
+        #: as :class:`Hold` records).  Only owners holding >= 1; read
+        #: through :meth:`held_count` and :meth:`since_of`.
+        self.held = HeldMap()
         #: requests whose release path ran while they still held blocks
         self.ended: dict[str, tuple[str, int]] = {}
         #: owners that are not requests (cow:, deferred:, pin:, anon:)
         self.nonrequest: set[str] = set()
-        self._last_when = 0j
         #: the step counter (set by the checker); read only for new owners
         self.clock = _zero
         self._n_owned = 0
@@ -237,27 +289,15 @@ class ShadowTable:
         self._hold(owner, 1)
 
     def _hold(self, owner: str, n: int) -> None:
-        """``owner`` holds ``n`` more references (since when, if it held none).
-        ``kvsan._shadowfast`` calls it by name for an owner's first reference."""
-        h = self.held.get(owner)
-        if h is not None:
-            h.n += n
-            return
-        when = complex(_held_clock(), self.clock())
-        if when == self._last_when:
-            when = self._last_when
-        else:
-            self._last_when = when
-        self.held[owner] = Hold(n, when)
+        """``owner`` holds ``n`` more references (since when, if it held none)."""
+        held = self.held
+        held.take(owner, n, 0 if owner in held else self.clock())
 
     def _unhold(self, owner: str, n: int) -> None:
         """``owner`` holds ``n`` references fewer; one that holds nothing is
-        forgotten.  ``kvsan._shadowfast`` calls it by name for an owner's
-        last references."""
-        h = self.held[owner]
-        h.n -= n
-        if not h.n:
-            del self.held[owner]
+        forgotten.  ``kvsan._shadowfast`` calls it by name for an owner that
+        drops what it does not hold (KeyError here)."""
+        if not self.held.drop(owner, n):
             self.ended.pop(owner, None)
             self.nonrequest.discard(owner)
 
