@@ -221,3 +221,47 @@ def test_since_records_time_and_step():
     sh.add_owner(2, "A")
     t, step = sh.since_of("A")
     assert step == 12345678 and abs(time.monotonic() - t) < 60 and sh.since_of("B") is None
+
+
+def _held_maps():
+    from kvsan import shadow
+
+    maps = [pytest.param(shadow.PyHeldMap, id="python")]
+    if shadow.HeldMap is not shadow.PyHeldMap:
+        maps.append(pytest.param(shadow.HeldMap, id="native"))
+    return maps
+
+
+@pytest.mark.parametrize("make", _held_maps())
+def test_held_map_keeps_one_entry_per_owner_and_forgets_it_at_zero(make):
+    """``shadow.held`` (kvsan._shadowfast's C map, or its Python twin):
+    an owner's first references stamp it (time, step), later ones add to
+    it with the stamp unchanged, an equal but distinct str is the same
+    owner, the last release forgets it; removed entries' slots are
+    reused, so churn through many owners leaves only the live ones."""
+    m = make()
+    m.take("A", 3, 7)
+    t = m["A"].when.real
+    m.take("".join(["A"]), 2, 9)  # the same owner, another str object
+    assert len(m) == 1 and m["A"].n == 5 and m["A"].when == complex(t, 7)
+    assert abs(time.monotonic() - t) < 60
+    assert m.drop("A", 4) == 1 and "A" in m and m.get("A").n == 1
+    assert m.drop("A", 1) == 0 and "A" not in m and m.get("A") is None and len(m) == 0
+    for i in range(5000):  # churn: each owner in and out, 100 alive at a time
+        m.take(f"r{i}", 1, i)
+        if i >= 100:
+            assert m.drop(f"r{i - 100}", 1) == 0
+    assert len(m) == 100 and sorted(m) == sorted(f"r{i}" for i in range(4900, 5000))
+    assert sorted(m.keys()) == sorted(m) and dict(m.items())["r4999"].when.imag == 4999
+    assert m.get(3, "none") == "none" and 3 not in m
+
+
+@pytest.mark.parametrize("make", _held_maps())
+def test_held_map_names_a_bad_owner_and_an_unknown_release(make):
+    m = make()
+    with pytest.raises(TypeError, match="an owner is a str, not int"):
+        m.take(3, 1, 0)
+    with pytest.raises(KeyError, match="nobody"):
+        m.drop("nobody", 1)
+    with pytest.raises(KeyError):
+        m["nobody"]

@@ -289,12 +289,14 @@ static PyTypeObject HoldType = {
  * owner; removed slots are reused), keyed by the owner str with its cached
  * hash.  Owners are strs; Python reads an entry as a Hold snapshot. */
 
+/* 32 bytes: the map is part of the shadow's memory per block (a request
+ * holds 16 blocks or so, and a table is at most two thirds full) */
 typedef struct {
     PyObject *key;   /* the owner; NULL never used; HELD_DUMMY removed */
-    Py_hash_t hash;
-    Py_ssize_t n;    /* references held (>= 1 while in the map) */
     double t;        /* monotonic time (coarse clock) it began to hold */
-    long long step;  /* the step it began to hold */
+    Py_ssize_t n;    /* references held (>= 1 while in the map) */
+    uint32_t hash;   /* the key's hash, its low 32 bits (probes compare it first) */
+    int step;        /* the step it began to hold (a C int, as acq_step's) */
 } HeldEntry;
 
 typedef struct {
@@ -342,7 +344,8 @@ held_same(PyObject *a, PyObject *b)
 static HeldEntry *
 held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
 {
-    size_t mask = m->mask, i = (size_t)h & mask, perturb = (size_t)h;
+    /* placed by the hash's low 32 bits, which the entry keeps (held_resize) */
+    size_t mask = m->mask, perturb = (uint32_t)h, i = perturb & mask;
     HeldEntry *slot = NULL;
     for (;;) {
         HeldEntry *e = &m->e[i];
@@ -355,7 +358,7 @@ held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
             if (slot == NULL) {
                 slot = e;
             }
-        } else if (k == owner || (e->hash == h && held_same(k, owner))) {
+        } else if (k == owner || (e->hash == (uint32_t)h && held_same(k, owner))) {
             *found = 1;
             return e;
         }
@@ -364,13 +367,13 @@ held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
     }
 }
 
-/* the table rebuilt for ``need`` owners: at most a quarter full, removed
- * slots dropped; -1 with MemoryError */
+/* the table rebuilt for ``need`` owners: at most half full, removed slots
+ * dropped; -1 with MemoryError */
 static int
 held_resize(HeldMap *m, Py_ssize_t need)
 {
     size_t cap = HELD_MIN;
-    while (cap < (size_t)need * 4) {
+    while (cap < (size_t)need * 2) {
         cap <<= 1;
     }
     HeldEntry *e = PyMem_Calloc(cap, sizeof(HeldEntry));
@@ -438,10 +441,10 @@ held_take(HeldMap *m, PyObject *owner, Py_ssize_t k, long long step)
     }
     m->used++;
     e->key = Py_NewRef(owner);
-    e->hash = h;
+    e->hash = (uint32_t)h;
     e->n = k;
     e->t = held_clock();
-    e->step = step;
+    e->step = step > INT_MAX ? INT_MAX : step < INT_MIN ? INT_MIN : (int)step;
     return 0;
 }
 

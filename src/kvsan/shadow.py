@@ -45,76 +45,81 @@ def _held_clock() -> float:
     return _time.monotonic() if _COARSE is None else _time.clock_gettime(_COARSE)
 
 
+class PyHold:
+    """What an owner holds: ``n`` references, since ``when``
+    (complex(monotonic time, step)), as read from :class:`HeldMap`."""
+
+    __slots__ = ("n", "when")
+
+    def __init__(self, n: int, when: complex):
+        self.n = n
+        self.when = when
+
+    def __repr__(self) -> str:
+        return f"Hold(n={self.n}, when={self.when!r})"
+
+
+class PyHeldMap:
+    """owner -> what it holds: ``take`` / ``drop`` change it, reads give
+    :class:`Hold` records (kvsan._shadowfast's map, in Python: used where
+    that module is not built; tests hold the two to one behaviour)."""
+
+    __slots__ = ("_d",)
+
+    def __init__(self):
+        self._d: dict[str, PyHold] = {}
+
+    def _key(self, owner):
+        if not isinstance(owner, str):
+            raise TypeError(f"kvsan shadow.held: an owner is a str, not "
+                            f"{type(owner).__name__}")
+        return owner
+
+    def take(self, owner: str, n: int, step: int) -> None:
+        h = self._d.get(self._key(owner))
+        if h is not None:
+            h.n += n
+        else:
+            self._d[owner] = PyHold(n, complex(_held_clock(), step))
+
+    def drop(self, owner: str, n: int) -> int:
+        h = self._d[self._key(owner)]
+        h.n -= n
+        if not h.n:
+            del self._d[owner]
+        return h.n
+
+    def get(self, owner, default=None):
+        h = self._d.get(owner) if isinstance(owner, str) else None
+        return default if h is None else PyHold(h.n, h.when)
+
+    def __getitem__(self, owner) -> PyHold:
+        h = self._d[self._key(owner)]
+        return PyHold(h.n, h.when)
+
+    def __contains__(self, owner) -> bool:
+        return isinstance(owner, str) and owner in self._d
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def __iter__(self):
+        return iter(list(self._d))
+
+    def keys(self) -> list[str]:
+        return list(self._d)
+
+    def items(self) -> list[tuple[str, PyHold]]:
+        return [(o, PyHold(h.n, h.when)) for o, h in self._d.items()]
+
+    def __repr__(self) -> str:
+        return f"HeldMap({self.items()!r})"
+
+
 try:  # the map kvsan._shadowfast keeps (entries inline) and the record it reads out
     from ._shadowfast import HeldMap, Hold
 except ImportError:  # not built (or built from another version): the same in Python
-    class Hold:  # type: ignore[no-redef]
-        """What an owner holds: ``n`` references, since ``when``
-        (complex(monotonic time, step)), as read from :class:`HeldMap`."""
-
-        __slots__ = ("n", "when")
-
-        def __init__(self, n: int, when: complex):
-            self.n = n
-            self.when = when
-
-        def __repr__(self) -> str:
-            return f"Hold(n={self.n}, when={self.when!r})"
-
-    class HeldMap:  # type: ignore[no-redef]
-        """owner -> what it holds: ``take`` / ``drop`` change it, reads give
-        :class:`Hold` records (kvsan._shadowfast's map, in Python)."""
-
-        __slots__ = ("_d",)
-
-        def __init__(self):
-            self._d: dict[str, Hold] = {}
-
-        def _key(self, owner):
-            if not isinstance(owner, str):
-                raise TypeError(f"kvsan shadow.held: an owner is a str, not "
-                                f"{type(owner).__name__}")
-            return owner
-
-        def take(self, owner: str, n: int, step: int) -> None:
-            h = self._d.get(self._key(owner))
-            if h is not None:
-                h.n += n
-            else:
-                self._d[owner] = Hold(n, complex(_held_clock(), step))
-
-        def drop(self, owner: str, n: int) -> int:
-            h = self._d[self._key(owner)]
-            h.n -= n
-            if not h.n:
-                del self._d[owner]
-            return h.n
-
-        def get(self, owner, default=None):
-            h = self._d.get(owner) if isinstance(owner, str) else None
-            return default if h is None else Hold(h.n, h.when)
-
-        def __getitem__(self, owner) -> Hold:
-            h = self._d[self._key(owner)]
-            return Hold(h.n, h.when)
-
-        def __contains__(self, owner) -> bool:
-            return owner in self._d
-
-        def __len__(self) -> int:
-            return len(self._d)
-
-        def __iter__(self):
-            return iter(list(self._d))
-
-        def keys(self) -> list[str]:
-            return list(self._d)
-
-        def items(self) -> list[tuple[str, Hold]]:
-            return [(o, Hold(h.n, h.when)) for o, h in self._d.items()]
-
-        def __repr__(self) -> str:
-            return f"HeldMap({self.items()!r})"
+    HeldMap, Hold = PyHeldMap, PyHold
 
 
 class ShadowTable:
