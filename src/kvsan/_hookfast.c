@@ -1836,8 +1836,8 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
                         "state: None; for an END hook (weak ref, weak ref, dict, held owners "
-                        "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, list, dict); for a GUARD "
-                        "hook (weak ref, list, None)");
+                        "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, "
+                        "list, dict); for a GUARD hook (weak ref, list, None)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
