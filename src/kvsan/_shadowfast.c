@@ -330,13 +330,21 @@ held_key(PyObject *owner, Py_hash_t *h)
     return *h == -1 ? -1 : 0;
 }
 
+/* two ready strs with the same value, as str's own equality compares them:
+ * length and kind, the cached hashes where both have one, then the bytes
+ * (no call: used where owners are compared on the hot path) */
 static inline int
-held_same(PyObject *a, PyObject *b)
+str_same(PyObject *a, PyObject *b)
 {
-    Py_ssize_t len = PyUnicode_GET_LENGTH(a);
-    int kind = PyUnicode_KIND(a);
-    return len == PyUnicode_GET_LENGTH(b) && kind == PyUnicode_KIND(b)
-           && memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)len * (size_t)kind) == 0;
+    Py_ssize_t n = PyUnicode_GET_LENGTH(a);
+    if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) {
+        return 0;
+    }
+    Py_hash_t h1 = ((PyASCIIObject *)a)->hash, h2 = ((PyASCIIObject *)b)->hash;
+    if (h1 != -1 && h2 != -1 && h1 != h2) {
+        return 0;
+    }
+    return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * PyUnicode_KIND(a)) == 0;
 }
 
 /* ``owner``'s entry (*found 1), or the slot it would take (*found 0: the
@@ -358,7 +366,7 @@ held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
             if (slot == NULL) {
                 slot = e;
             }
-        } else if (k == owner || (e->hash == (uint32_t)h && held_same(k, owner))) {
+        } else if (k == owner || (e->hash == (uint32_t)h && str_same(k, owner))) {
             *found = 1;
             return e;
         }
@@ -388,12 +396,8 @@ held_resize(HeldMap *m, Py_ssize_t need)
     m->fill = m->used;
     for (size_t j = 0; j < old_cap; j++) {
         if (old[j].key != NULL && old[j].key != HELD_DUMMY) {
-            size_t mask = m->mask, i = (size_t)old[j].hash & mask, perturb = (size_t)old[j].hash;
-            while (e[i].key != NULL) {
-                perturb >>= 5;
-                i = (i * 5 + perturb + 1) & mask;
-            }
-            e[i] = old[j];
+            int found; /* (never: the owners are distinct) */
+            *held_find(m, old[j].key, old[j].hash, &found) = old[j];
         }
     }
     PyMem_Free(old);
@@ -1105,16 +1109,7 @@ same_owner(PyObject *o, PyObject *owner)
     }
     if (PyUnicode_CheckExact(o) && PyUnicode_CheckExact(owner) && PyUnicode_IS_READY(o)
         && PyUnicode_IS_READY(owner)) {
-        Py_ssize_t n = PyUnicode_GET_LENGTH(o);
-        if (n != PyUnicode_GET_LENGTH(owner) || PyUnicode_KIND(o) != PyUnicode_KIND(owner)) {
-            return 0;
-        }
-        Py_hash_t h1 = ((PyASCIIObject *)o)->hash, h2 = ((PyASCIIObject *)owner)->hash;
-        if (h1 != -1 && h2 != -1 && h1 != h2) {
-            return 0;
-        }
-        return memcmp(PyUnicode_DATA(o), PyUnicode_DATA(owner),
-                      (size_t)n * PyUnicode_KIND(o)) == 0;
+        return str_same(o, owner);
     }
     return PyObject_RichCompareBool(o, owner, Py_EQ);
 }
