@@ -336,7 +336,10 @@ context_of(_PyInterpreterFrame *f, PyObject *ctx, PyObject **site_out, PyObject 
     PyObject *owner;
     if (PyList_Check(ctx) && PyList_GET_SIZE(ctx) > 0) {
         PyObject *top = PyList_GET_ITEM(ctx, PyList_GET_SIZE(ctx) - 1);
-        owner = PySequence_GetItem(top, 0);
+        /* the hooks push (owner, why) tuples: the first item read in line */
+        owner = PyTuple_CheckExact(top) && PyTuple_GET_SIZE(top) > 0
+                    ? Py_NewRef(PyTuple_GET_ITEM(top, 0))
+                    : PySequence_GetItem(top, 0);
     } else {
         owner = owner_of(f);
     }

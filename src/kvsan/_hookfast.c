@@ -1482,20 +1482,21 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     if (!enabled || nargs < 1) {
         return SLOW();
     }
-    if (h->kind == K_HITS) {
-        return hits_call(h, rt, args, nargsf, kwnames);
-    }
-    if (h->kind == K_END) {
-        return end_call(h, rt, args, nargsf, kwnames);
-    }
-    if (h->kind == K_SKIP) {
-        return skip_call(h, rt, args, nargsf, kwnames);
-    }
-    if (h->kind == K_STEP) {
-        return step_call(h, rt, args, nargsf, kwnames);
-    }
-    if (h->kind == K_GUARD) {
-        return guard_call(h, rt, args, nargsf, kwnames);
+    if (h->kind > K_CACHE) { /* the kinds with routes of their own (the BlockPool four first) */
+        switch (h->kind) {
+        case K_HITS:
+            return hits_call(h, rt, args, nargsf, kwnames);
+        case K_END:
+            return end_call(h, rt, args, nargsf, kwnames);
+        case K_SKIP:
+            return skip_call(h, rt, args, nargsf, kwnames);
+        case K_STEP:
+            return step_call(h, rt, args, nargsf, kwnames);
+        case K_GUARD:
+            return guard_call(h, rt, args, nargsf, kwnames);
+        default:
+            return SLOW();
+        }
     }
     /* which calls this route takes: the shapes vLLM 0.32 makes */
     PyObject *blocks = NULL, *lo = NULL, *hi = NULL, *request = NULL;
