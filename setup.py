@@ -14,13 +14,16 @@ from setuptools import Extension, setup
 
 #: the C functions _frames and _shadowfast export to _hookfast (see the header)
 CAPI = ["src/kvsan/_capi.h"]
+#: the in-line slot reads _shadowfast and _tokenlinks share
+SLOTS = ["src/kvsan/_slots.h"]
 
 setup(
     ext_modules=[
         Extension("kvsan._frames", ["src/kvsan/_frames.c"], depends=CAPI, optional=True),
-        Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], depends=CAPI,
+        Extension("kvsan._shadowfast", ["src/kvsan/_shadowfast.c"], depends=CAPI + SLOTS,
                   optional=True),
-        Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], optional=True),
+        Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], depends=SLOTS,
+                  optional=True),
         Extension("kvsan._devicefast", ["src/kvsan/_devicefast.c"], optional=True),
         Extension("kvsan._hookfast", ["src/kvsan/_hookfast.c"], depends=CAPI, optional=True),
     ],

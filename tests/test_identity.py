@@ -284,7 +284,8 @@ def test_native_token_links_equal_the_python_chain():
                 for _ in range(rng.randrange(0, 60))]
         bs, start = rng.randrange(1, 20), rng.randrange(0, 6)
         upto = start + rng.randrange(0, 6)
-        parent = rng.choice([0, -2**63, 2**63 - 1, rng.randrange(-2**63, 2**63)])
+        parent = rng.choice([0, -1, -2, 2**61 - 2, 2**61 - 1, 2**61, -(2**61 - 1), -2**61,
+                             -2**63, 2**63 - 1, rng.randrange(-2**63, 2**63)])
         want, p = [], parent
         for k in range(start, upto):
             p = hash((p, tuple(toks[k * bs:(k + 1) * bs])))
@@ -443,3 +444,58 @@ def test_records_beyond_their_lists_are_made_in_python_and_grown(native):
     assert [(v.kind, v.blocks, v.owners, v.details[0]["fields"]) for v in found] == [
         ("cache_key_mismatch", [1], ["C", "P"], ["tokens"]),
         ("cache_key_mismatch", [6], ["C", "P"], ["tokens"])]
+
+
+def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr():
+    """``identity_hits`` reads a chain's slots in line (kvsan/_slots.h) for
+    the type it resolved them for, and through getattr for anything else.
+    The answers are the same for a RequestIdentity, for one whose class was
+    modified since (its offsets resolved again), and for a look-alike object
+    of another class: a static-digest mismatch and a token mismatch found,
+    a matching chain passing."""
+    import sys
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvsan import hooks
+    from kvsan.checks.identity import IdentityAudit, RequestIdentity
+
+    if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
+        pytest.skip("the speed-ups are built for CPython 3.11")
+    fast = hooks.SHADOWFAST
+    static, salted = (b"l" * 16, b"s" * 16, b"d" * 16), (b"l" * 16, b"t" * 16, b"d" * 16)
+    blocks = []
+    for b in (1, 2):
+        blk = KVCacheBlock(block_id=b)
+        blk.set_block_hash(bytes([b]) * 32)
+        blocks.append(blk)
+
+    def chain(st, offset=0):
+        ident = RequestIdentity(st)
+        ident.extend(2, [t + offset for t in TOKENS[:2 * BLOCK]], BLOCK, None, None)
+        return ident
+
+    class LookAlike:  # the same attributes, no slots: read through getattr
+        def __init__(self, ident):
+            self.static, self.tok, self.mm, self.emb = (ident.static, ident.tok, ident.mm,
+                                                        ident.emb)
+
+    audit = IdentityAudit(lambda v: None, num_blocks=4)
+    assert fast.identity_record(audit.records, "P", chain(static), b"w", blocks, 0, 2) is True
+
+    def verdicts(wrap):
+        out = []
+        for consumer in (chain(static), chain(salted), chain(static, 1000)):
+            compared, mism = fast.identity_hits(audit.records, wrap(consumer), b"w", blocks)
+            out.append((compared, [(i, b) for i, b, _, _ in mism]))
+        return out
+
+    want = [(2, []), (2, [(0, 1), (1, 2)]), (2, [(0, 1), (1, 2)])]
+    assert verdicts(lambda c: c) == want
+    RequestIdentity.kvsan_test_marker = 1  # the type modified: its version tag changes
+    try:
+        assert verdicts(lambda c: c) == want
+    finally:
+        del RequestIdentity.kvsan_test_marker
+    assert verdicts(LookAlike) == want
+    assert verdicts(lambda c: c) == want

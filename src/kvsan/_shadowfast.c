@@ -33,6 +33,7 @@
 #define KVSAN_SHADOWFAST_ABI 9
 
 #include "_capi.h"
+#include "_slots.h"
 
 #include <opcode.h>
 #include <structmember.h>
@@ -95,20 +96,12 @@ resolve_slots(PyTypeObject *tp)
     Py_XSETREF(slot_type, (PyTypeObject *)Py_NewRef(tp));
     for (int i = 0; i < N_ATTRS; i++) {
         PyObject *d = _PyType_Lookup(tp, names[i]); /* borrowed */
-        slot_offset[i] = -1;
         if (d != NULL && Py_IS_TYPE(d, &PyProperty_Type)) {
             d = plain_getter_slot(tp, d); /* borrowed, or NULL */
         }
         /* a member descriptor of this type's (or a base's), read the way
          * object.__getattribute__ reads it */
-        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)
-            && tp->tp_getattro == PyObject_GenericGetAttr
-            && PyType_IsSubtype(tp, PyDescr_TYPE(d))) {
-            PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
-            if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
-                slot_offset[i] = md->offset;
-            }
-        }
+        slot_offset[i] = slot_member_offset(tp, d);
     }
     /* read after the lookups, which give the type a version tag if it had
      * none; no valid tag: every read goes through PyObject_GetAttr (no
@@ -2512,8 +2505,6 @@ records_arg(PyObject *rec, PyObject **lists, const char *fn)
     return -1;
 }
 
-static PyObject *s_tok, *s_static, *s_mm, *s_emb;
-
 /* identity_record(records, producer, ident, weights, blocks, lo, hi) -> bool:
  * blocks[lo:hi] cached by ``producer``; a block keeps its first producer
  * while its key is unchanged.  True: all recorded; False: a block this
@@ -2604,12 +2595,25 @@ identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
-/* item ``i`` of list attribute ``name`` of ``obj`` (new reference), or NULL
- * (*err set on a Python error; unset: not a list or out of range) */
-static PyObject *
-list_item(PyObject *obj, PyObject *name, Py_ssize_t i, int *err)
+/* RequestIdentity's slots (kvsan.checks.identity), read in line: a hit's
+ * check compares four of them per block (kvsan/_slots.h) */
+enum { I_STATIC, I_TOK, I_MM, I_EMB, N_IDENT };
+static PyObject *ident_names[N_IDENT]; /* the interned names, in that order */
+static SlotTable ident_slots;
+
+/* attribute ``f`` of a chain (new reference), or NULL with an exception */
+static inline PyObject *
+ident_get(PyObject *chain, int f)
 {
-    PyObject *lst = PyObject_GetAttr(obj, name);
+    return slots_get(&ident_slots, chain, f, ident_names, N_IDENT);
+}
+
+/* item ``i`` of list attribute ``f`` of chain ``obj`` (new reference), or
+ * NULL (*err set on a Python error; unset: not a list or out of range) */
+static PyObject *
+list_item(PyObject *obj, int f, Py_ssize_t i, int *err)
+{
+    PyObject *lst = ident_get(obj, f);
     if (lst == NULL) {
         *err = 1;
         return NULL;
@@ -2627,11 +2631,11 @@ list_item(PyObject *obj, PyObject *name, Py_ssize_t i, int *err)
 static int
 same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
 {
-    PyObject *names[3] = {s_tok, s_mm, s_emb};
+    static const int fields[3] = {I_TOK, I_MM, I_EMB};
     for (int n = 0; n < 3; n++) {
         int err = 0;
-        PyObject *x = list_item(a, names[n], k, &err);
-        PyObject *y = x == NULL ? NULL : list_item(b, names[n], i, &err);
+        PyObject *x = list_item(a, fields[n], k, &err);
+        PyObject *y = x == NULL ? NULL : list_item(b, fields[n], i, &err);
         if (x == NULL || y == NULL) {
             Py_XDECREF(x);
             return err ? -1 : -2;
@@ -2643,8 +2647,8 @@ same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
             return r;
         }
         if (n == 0) { /* static digests: shared tuples, compared by identity first */
-            PyObject *sa = PyObject_GetAttr(a, s_static);
-            PyObject *sb = sa == NULL ? NULL : PyObject_GetAttr(b, s_static);
+            PyObject *sa = ident_get(a, I_STATIC);
+            PyObject *sb = sa == NULL ? NULL : ident_get(b, I_STATIC);
             int eq = sb == NULL ? -1 : PyObject_RichCompareBool(sa, sb, Py_EQ);
             Py_XDECREF(sa);
             Py_XDECREF(sb);
@@ -2819,12 +2823,11 @@ PyInit__shadowfast(void)
             return NULL;
         }
     }
-    s_tok = PyUnicode_InternFromString("tok");
-    s_static = PyUnicode_InternFromString("static");
-    s_mm = PyUnicode_InternFromString("mm");
-    s_emb = PyUnicode_InternFromString("emb");
-    if (!s_tok || !s_static || !s_mm || !s_emb) {
-        return NULL;
+    static const char *ident_attrs[N_IDENT] = {"static", "tok", "mm", "emb"};
+    for (int i = 0; i < N_IDENT; i++) {
+        if ((ident_names[i] = PyUnicode_InternFromString(ident_attrs[i])) == NULL) {
+            return NULL;
+        }
     }
     PyObject *m = PyModule_Create(&shadowfast_module);
     if (m == NULL) {

@@ -13,6 +13,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "_slots.h"
+
 #define KVSAN_TOKENLINKS_ABI 5
 
 #if SIZEOF_PY_UHASH_T > 4
@@ -46,6 +48,52 @@ acc_finish(Py_uhash_t acc, Py_ssize_t len)
     return (Py_hash_t)acc;
 }
 
+/* hash(item) for a token id, read from the int's digit where it has at most
+ * one (as CPython 3.11's long_hash computes it), else PyObject_Hash: a
+ * block's 16 token hashes were 16 calls through the type */
+static inline Py_hash_t
+token_hash(PyObject *item)
+{
+#if PY_VERSION_HEX < 0x030C0000 /* ob_size and ob_digit: CPython 3.10 and 3.11 */
+    if (PyLong_CheckExact(item)) {
+        Py_ssize_t size = Py_SIZE(item);
+        Py_hash_t d = (Py_hash_t)((PyLongObject *)item)->ob_digit[0];
+        if (size == 0) {
+            return 0;
+        }
+        if (size == 1) {
+            return d;
+        }
+        if (size == -1) {
+            return d == 1 ? -2 : -d;
+        }
+    }
+#endif
+    return PyObject_Hash(item);
+}
+
+/* hash(int(x)) for a previous link ``x``, as long_hash gives it: the
+ * magnitude modulo 2**61 - 1 with x's sign, -1 becoming -2 (a link was made
+ * an int to be hashed) */
+static inline Py_hash_t
+link_hash(Py_hash_t x)
+{
+#if defined(_PyHASH_MODULUS) && SIZEOF_PY_HASH_T == 8
+    Py_uhash_t mag = x < 0 ? (Py_uhash_t)0 - (Py_uhash_t)x : (Py_uhash_t)x;
+    Py_hash_t h = (Py_hash_t)(mag % (Py_uhash_t)_PyHASH_MODULUS);
+    h = x < 0 ? -h : h;
+    return h == -1 ? -2 : h;
+#else
+    PyObject *p = PyLong_FromSsize_t(x);
+    if (p == NULL) {
+        return -1;
+    }
+    Py_hash_t h = PyObject_Hash(p);
+    Py_DECREF(p);
+    return h;
+#endif
+}
+
 /* append to ``out`` the links of blocks [start, upto) of ``tokens``, each
  * ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))`` starting from the
  * link ``parent``; 0, or -1 with an exception */
@@ -61,7 +109,7 @@ append_links(PyObject *out, PyObject *tokens, Py_ssize_t bs, Py_ssize_t start,
         Py_uhash_t acc = XXPRIME_5;
         for (Py_ssize_t i = lo; i < hi; i++) {
             PyObject *item = Py_NewRef(PyList_GET_ITEM(tokens, i));
-            Py_hash_t h = PyObject_Hash(item);
+            Py_hash_t h = token_hash(item);
             Py_DECREF(item);
             if (h == -1 && PyErr_Occurred()) {
                 return -1;
@@ -74,12 +122,7 @@ append_links(PyObject *out, PyObject *tokens, Py_ssize_t bs, Py_ssize_t start,
         }
         Py_hash_t inner = acc_finish(acc, hi - lo);
         /* hash((parent, inner tuple)): the parent's lane is hash(parent) */
-        PyObject *p = PyLong_FromSsize_t(parent);
-        if (p == NULL) {
-            return -1;
-        }
-        Py_hash_t ph = PyObject_Hash(p);
-        Py_DECREF(p);
+        Py_hash_t ph = link_hash(parent);
         if (ph == -1 && PyErr_Occurred()) {
             return -1;
         }
@@ -227,8 +270,19 @@ error: /* all or nothing: the three chains cut back to where they were */
  * digests are those ``_chain`` would give it (the caller passes them), and
  * the weak reference (a ``weakref.ref`` subclass with a ``rid`` slot) drops
  * the entry with the Request. */
-static PyObject *s_request_id, *s_tok, *s_mm, *s_emb, *s_mm_features, *s_prompt_embeds,
-    *s_all_token_ids, *s_lora_request, *s_cache_salt, *s_rid, *s_static, *empty_tuple;
+static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_ids,
+    *s_lora_request, *s_cache_salt, *s_rid, *empty_tuple;
+
+/* RequestIdentity's four slots, read and set in line (kvsan/_slots.h) */
+enum { I_STATIC, I_TOK, I_MM, I_EMB, N_IDENT };
+static PyObject *ident_names[N_IDENT]; /* the interned names, in that order */
+static SlotTable ident_slots;
+
+static inline PyObject *
+ident_get(PyObject *ident, int f)
+{
+    return slots_get(&ident_slots, ident, f, ident_names, N_IDENT);
+}
 
 /* a new RequestIdentity(static) without running its __init__ in Python (a
  * frame per new request): the object as the type's tp_new makes it, with
@@ -246,14 +300,13 @@ new_identity(PyObject *type, PyObject *statics)
     if (ident == NULL) {
         return NULL;
     }
-    if (PyObject_SetAttr(ident, s_static, statics) < 0) {
+    if (slots_set(&ident_slots, ident, I_STATIC, statics, ident_names, N_IDENT) < 0) {
         Py_DECREF(ident);
         return NULL;
     }
-    PyObject *lists[3] = {s_tok, s_mm, s_emb};
-    for (int i = 0; i < 3; i++) {
+    for (int i = I_TOK; i <= I_EMB; i++) {
         PyObject *l = PyList_New(0);
-        int r = l == NULL ? -1 : PyObject_SetAttr(ident, lists[i], l);
+        int r = l == NULL ? -1 : slots_set(&ident_slots, ident, i, l, ident_names, N_IDENT);
         Py_XDECREF(l);
         if (r < 0) {
             Py_DECREF(ident);
@@ -350,7 +403,7 @@ known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(ident);
         return NULL;
     }
-    PyObject *tok = PyObject_GetAttr(ident, s_tok);
+    PyObject *tok = ident_get(ident, I_TOK);
     if (tok == NULL) {
         Py_DECREF(ident);
         return NULL;
@@ -393,8 +446,8 @@ known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         out = Py_NewRef(Py_None);
         goto done;
     }
-    argv[1] = PyObject_GetAttr(ident, s_mm);
-    argv[2] = argv[1] == NULL ? NULL : PyObject_GetAttr(ident, s_emb);
+    argv[1] = ident_get(ident, I_MM);
+    argv[2] = argv[1] == NULL ? NULL : ident_get(ident, I_EMB);
     if (argv[2] == NULL) {
         goto done;
     }
@@ -477,11 +530,12 @@ PyInit__tokenlinks(void)
     struct {
         PyObject **var;
         const char *text;
-    } names[] = {{&s_request_id, "request_id"}, {&s_tok, "tok"}, {&s_mm, "mm"},
-                 {&s_emb, "emb"}, {&s_mm_features, "mm_features"},
+    } names[] = {{&s_request_id, "request_id"}, {&ident_names[I_TOK], "tok"},
+                 {&ident_names[I_MM], "mm"}, {&ident_names[I_EMB], "emb"},
+                 {&s_mm_features, "mm_features"},
                  {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"},
                  {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"},
-                 {&s_static, "static"}};
+                 {&ident_names[I_STATIC], "static"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if ((*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL) {
             return NULL;

@@ -1,0 +1,108 @@
+/* Reading and setting an object's ``__slots__`` in line, as CPython's own
+ * member descriptor does it.
+ *
+ * kvsan's C modules read a few attributes of the same few classes on every
+ * event: vLLM's KVCacheBlock (kvsan._shadowfast) and kvsan's own
+ * RequestIdentity (kvsan._shadowfast, kvsan._tokenlinks).  Through
+ * PyObject_GetAttr each read costs a type lookup and a descriptor call,
+ * about 130 instructions; a prefix hit's identity check read eight
+ * attributes per block that way.  A slot is a pointer at a fixed offset in
+ * the object, so once per type (and again whenever the type is modified)
+ * the offsets are resolved and a read is a load.
+ *
+ * A SlotTable holds the offsets of a list of names for one type.  The type's
+ * version tag tells that it is unchanged: CPython clears the valid flag and
+ * sets the tag to 0 together (PyType_Modified), and where no valid tag is
+ * found no offsets are kept, so a read goes through PyObject_GetAttr.
+ * Anything other than a plain object member (another type, a property, a
+ * base whose ``__getattribute__`` is overridden) is read through
+ * PyObject_GetAttr too.
+ */
+#ifndef KVSAN_SLOTS_H
+#define KVSAN_SLOTS_H
+
+#include <Python.h>
+#include <structmember.h>
+
+#define KVSAN_SLOTS_MAX 8
+
+typedef struct {
+    PyTypeObject *type; /* strong reference: the type the offsets belong to */
+    unsigned int version;
+    Py_ssize_t offset[KVSAN_SLOTS_MAX]; /* -1: read through PyObject_GetAttr */
+} SlotTable;
+
+/* the offset of descriptor ``d`` (found on ``tp``) when it is a plain object
+ * member that object.__getattribute__ reads as a slot, else -1 */
+static inline Py_ssize_t
+slot_member_offset(PyTypeObject *tp, PyObject *d)
+{
+    if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)
+        && tp->tp_getattro == PyObject_GenericGetAttr && PyType_IsSubtype(tp, PyDescr_TYPE(d))) {
+        PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
+        if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
+            return md->offset;
+        }
+    }
+    return -1;
+}
+
+/* resolve ``names[0..n)`` for ``tp``; where the type has no valid version
+ * tag after the lookups (which give it one where they can), no offsets */
+static inline void
+slots_resolve(SlotTable *t, PyTypeObject *tp, PyObject *const *names, int n)
+{
+    Py_XSETREF(t->type, (PyTypeObject *)Py_NewRef(tp));
+    for (int i = 0; i < n && i < KVSAN_SLOTS_MAX; i++) {
+        t->offset[i] = slot_member_offset(tp, _PyType_Lookup(tp, names[i]));
+    }
+    t->version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
+    if (t->version == 0) {
+        for (int i = 0; i < n && i < KVSAN_SLOTS_MAX; i++) {
+            t->offset[i] = -1;
+        }
+    }
+}
+
+/* the address of slot ``i`` of ``obj`` (resolving for its type first when
+ * the table is for another type or an older version), or NULL: the caller
+ * then reads or sets the attribute through PyObject_GetAttr / SetAttr */
+static inline PyObject **
+slots_at(SlotTable *t, PyObject *obj, int i, PyObject *const *names, int n)
+{
+    PyTypeObject *tp = Py_TYPE(obj);
+    if (tp != t->type || t->version == 0 || tp->tp_version_tag != t->version) {
+        slots_resolve(t, tp, names, n);
+    }
+    if (t->version != 0 && t->offset[i] >= 0) {
+        return (PyObject **)((char *)obj + t->offset[i]);
+    }
+    return NULL;
+}
+
+/* attribute ``names[i]`` of ``obj``: a new reference, or NULL with an
+ * exception (an unset slot raises AttributeError there, as it would) */
+static inline PyObject *
+slots_get(SlotTable *t, PyObject *obj, int i, PyObject *const *names, int n)
+{
+    PyObject **at = slots_at(t, obj, i, names, n);
+    if (at != NULL && *at != NULL) {
+        return Py_NewRef(*at);
+    }
+    return PyObject_GetAttr(obj, names[i]);
+}
+
+/* ``obj.names[i] = value``: 0, or -1 with an exception.  For the slots a
+ * class's ``__slots__`` declares (never read-only members) */
+static inline int
+slots_set(SlotTable *t, PyObject *obj, int i, PyObject *value, PyObject *const *names, int n)
+{
+    PyObject **at = slots_at(t, obj, i, names, n);
+    if (at != NULL) {
+        Py_XSETREF(*at, Py_NewRef(value));
+        return 0;
+    }
+    return PyObject_SetAttr(obj, names[i], value);
+}
+
+#endif /* KVSAN_SLOTS_H */
