@@ -446,7 +446,7 @@ def test_records_beyond_their_lists_are_made_in_python_and_grown(native):
         ("cache_key_mismatch", [6], ["C", "P"], ["tokens"])]
 
 
-def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr():
+def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
     """``identity_hits`` reads a chain's slots in line (kvsan/_slots.h) for
     the type it resolved them for, and through getattr for anything else.
     The answers are the same for a RequestIdentity, for one whose class was
@@ -460,6 +460,8 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr():
     from kvsan import hooks
     from kvsan.checks.identity import IdentityAudit, RequestIdentity
 
+    if not native:
+        pytest.skip("a check of the C path (the Python one reads attributes)")
     if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
         pytest.skip("the speed-ups are built for CPython 3.11")
     fast = hooks.SHADOWFAST
