@@ -47,7 +47,9 @@ def main(argv=None) -> int:
 
             res = sched.bench(sizes=(8,) if q else (16, 64, 256), steps=6 if q else 240,
                               chunks=2 if q else 6)
-            out += ["### Scheduler only (CPU time per step, one process per setting, stepped in turn)\n", sched.markdown(res)]
+            procs = next(iter(res.values()))["processes"]
+            out += [f"### Scheduler only (CPU time per step, {procs} processes per setting "
+                    f"pooled, stepped in turn)\n", sched.markdown(res)]
         elif part == "events":
             from . import events
 

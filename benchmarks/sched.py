@@ -8,10 +8,11 @@ request is replaced), ~20% cancelled mid-flight with
 ``finish_requests(..., FINISHED_ABORTED)``, and a pool of about 3 blocks per
 request, so cached blocks are evicted and running requests are preempted.
 
-Side by side in lockstep (:mod:`benchmarks.lanes`): one scheduler per
-setting (off, default, strict, and default with kvsan's C speed-ups off),
-each in its own process with kvsan installed for its whole life or not at
-all, advance one step each in turn, in a new random order every turn.  A
+Side by side in lockstep (:mod:`benchmarks.lanes`): schedulers for each
+setting (off, default, strict, and default with kvsan's C speed-ups off;
+two processes per setting, pooled), each in its own process with kvsan
+installed for its whole life or not at all, advance one step each in turn,
+in a new random order every turn.  A
 shared 2-core machine drifts by tens of percent over seconds; step-level
 interleaving puts every setting under the same drift.  (Switching kvsan's patches in one
 process between steps, as an earlier lockstep runner did, costs each
@@ -168,9 +169,10 @@ class Lane:
 
         sched, clock, now = self.sched, time.thread_time_ns, self.step_no
         due = [r for r, at in self.cancel_at.items() if at <= now]
+        cancelled = 0
         t0 = clock()
         if due:
-            self.aborted += len(sched.finish_requests(due, RequestStatus.FINISHED_ABORTED))
+            cancelled = len(sched.finish_requests(due, RequestStatus.FINISHED_ABORTED))
         out = sched.schedule()
         t1 = clock()
         for r in due:
@@ -192,9 +194,10 @@ class Lane:
         t3 = clock()
         gone = before - len(sched.requests)
         self.finished += gone
+        self.aborted += cancelled
         self.times.append((t1 - t0) + (t3 - t2))
         self.step_no += 1
-        for _ in range(gone):
+        for _ in range(gone + cancelled):  # closed loop: the ended are replaced
             sched.add_request(self._new_request())
 
     @property
@@ -234,35 +237,47 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int,
 
 
 def run_lanes(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
-              settings=SETTINGS, modules: dict[str, str] | None = None) -> dict[str, dict]:
-    """One process per setting, stepped in turn: setting -> {"times": [ns
-    per step], and the lane's summary}.  ``modules``: setting -> the module
-    whose ``serve_lane`` (same arguments as this one's) runs that lane
-    instead (``benchmarks.hookcost`` times its hooks)."""
+              settings=SETTINGS, modules: dict[str, str] | None = None,
+              processes: int = 1) -> dict[str, dict]:
+    """``processes`` processes per setting, all stepped in turn: setting ->
+    {"times": [ns per step, summed over its processes], and the first
+    process's summary}.  Two identical processes on this shared machine
+    differ by 1-2% over their whole life (memory layout, hash seeds), which
+    one process per setting turns into the ratio; pooling halves it, as the
+    per-event benchmark does.  ``modules``: setting -> the module whose
+    ``serve_lane`` (same arguments as this one's) runs that lane instead
+    (``benchmarks.hookcost`` times its hooks)."""
     from . import lanes
 
     num_blocks = num_blocks or 3 * n + 16
     code = "from {} import serve_lane; serve_lane({!r}, %d, %d, %d, %d)" % (
         n, steps, seed, num_blocks)
     modules = modules or {}
-    got = lanes.run({s: (code.format(modules.get(s, "benchmarks.sched"), s), {})
-                     for s in settings})
-    out = {s: dict(g["summary"], times=[x["ns"] for x in g["steps"]]) for s, g in got.items()}
-    prints = {s: tuple(o["fingerprint"]) for s, o in out.items()}
+    got = lanes.run({f"{s}#{i}": (code.format(modules.get(s, "benchmarks.sched"), s), {})
+                     for s in settings for i in range(processes)})
+    each = {name: dict(g["summary"], times=[x["ns"] for x in g["steps"]])
+            for name, g in got.items()}
+    prints = {name: tuple(o["fingerprint"]) for name, o in each.items()}
     if len(set(prints.values())) != 1:
         raise AssertionError(f"kvsan changed the schedule: {prints}")
-    for s, o in out.items():
+    for name, o in each.items():
         if o["violations"]:
-            raise AssertionError(f"{s}: violations on clean traffic: {o['violations']}")
+            raise AssertionError(f"{name}: violations on clean traffic: {o['violations']}")
+    out = {}
+    for s in settings:
+        runs = [each[f"{s}#{i}"]["times"] for i in range(processes)]
+        out[s] = dict(each[f"{s}#0"], times=[sum(t) for t in zip(*runs)])
     return out
 
 
-def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0) -> dict:
+def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0, processes=2) -> dict:
     """Ratios per chunk of consecutive steps (the spread), and over all steps;
-    the ``python`` lane is default with kvsan's C speed-ups off."""
+    the ``python`` lane is default with kvsan's C speed-ups off.  Times are
+    per process (each setting's ``processes`` pooled, then divided)."""
     results = {}
     for n in sizes:
-        lanes = run_lanes(n, steps, seed, settings=SETTINGS + (NATIVE_OFF,))
+        lanes = run_lanes(n, steps, seed, settings=SETTINGS + (NATIVE_OFF,),
+                          processes=processes)
         off = lanes["off"]["times"]
         size = max(1, steps // chunks)
         res = {"steps": steps, "num_blocks": 3 * n + 16, "finished": lanes["off"]["finished"],
@@ -271,9 +286,10 @@ def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0) -> dict:
         if lanes[NATIVE_OFF]["native"] or not lanes["default"]["native"]:
             raise AssertionError("the python lane must run without kvsan's C speed-ups, "
                                  "the default lane with them")
+        res["processes"] = processes
         for s, lane in lanes.items():
             times = lane["times"]
-            res[f"{s}_us"] = sum(times) / len(times) / 1e3
+            res[f"{s}_us"] = sum(times) / len(times) / 1e3 / processes
             if s != "off":
                 res[s] = [sum(times[i:i + size]) / sum(off[i:i + size])
                           for i in range(0, steps - size + 1, size)]
