@@ -20,8 +20,10 @@ if ! command -v prometheus >/dev/null 2>&1 || ! command -v promtool >/dev/null 2
 fi
 stamp=.venv/.kvsan-setup
 # re-install when the package definition or the C speed-ups change (the
-# editable install builds the C modules in place: see setup.py)
-want=$(cat pyproject.toml setup.py src/kvsan/*.c | sha256sum | cut -c1-16)
+# editable install builds the C modules in place: see setup.py; then
+# scripts/build_native.py builds them again, profile-guided)
+want=$(cat pyproject.toml setup.py scripts/build_native.py src/kvsan/*.c src/kvsan/*.h \
+  | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -38,4 +40,7 @@ else
   # whenever it is installed.  vLLM serves text models without them.
   .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# the C modules again, guided by a profile of their hot paths (plain where
+# that cannot be done: see the script)
+.venv/bin/python scripts/build_native.py
 echo "$want" > "$stamp"
