@@ -14,7 +14,7 @@ from setuptools import Extension, setup
 
 #: the C functions _frames and _shadowfast export to _hookfast (see the header)
 CAPI = ["src/kvsan/_capi.h"]
-#: the in-line slot reads _shadowfast and _tokenlinks share
+#: the in-line slot reads _shadowfast, _tokenlinks and _hookfast share
 SLOTS = ["src/kvsan/_slots.h"]
 
 setup(
@@ -25,6 +25,7 @@ setup(
         Extension("kvsan._tokenlinks", ["src/kvsan/_tokenlinks.c"], depends=SLOTS,
                   optional=True),
         Extension("kvsan._devicefast", ["src/kvsan/_devicefast.c"], optional=True),
-        Extension("kvsan._hookfast", ["src/kvsan/_hookfast.c"], depends=CAPI, optional=True),
+        Extension("kvsan._hookfast", ["src/kvsan/_hookfast.c"], depends=CAPI + SLOTS,
+                  optional=True),
     ],
 )

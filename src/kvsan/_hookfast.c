@@ -45,6 +45,7 @@
 #define KVSAN_HOOKFAST_ABI 8
 
 #include "_capi.h"
+#include "_slots.h"
 #include <structmember.h>
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
@@ -345,44 +346,15 @@ failed(PyObject *rt, PyObject *where)
  * (kvsan's Runtime.step, AllocatorChecker.fast, StepJournal's lists: read
  * on every event), resolved once per type and again whenever the type is
  * modified (its version tag), as CPython's own member descriptor reads it;
- * anything else (no slot, an unset one) through PyObject_GetAttr. */
-typedef struct {
-    PyTypeObject *type; /* strong */
-    unsigned int version;
-    Py_ssize_t offset; /* -1: not a slot */
-} SlotRead;
-
-static SlotRead sr_step, sr_fast, sr_journal[3]; /* journal: uncached, freed, cached */
+ * anything else (no slot, an unset one) through PyObject_GetAttr
+ * (kvsan/_slots.h: one table per attribute here). */
+static SlotTable sr_step, sr_fast, sr_journal[3]; /* journal: uncached, freed, cached */
 
 /* new reference to ``obj.<name>``, or NULL with an exception */
-static PyObject *
-slot_attr(PyObject *obj, PyObject *name, SlotRead *c)
+static inline PyObject *
+slot_attr(PyObject *obj, PyObject *name, SlotTable *c)
 {
-    PyTypeObject *tp = Py_TYPE(obj);
-    if (tp != c->type || !c->version || tp->tp_version_tag != c->version
-        || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
-        Py_XSETREF(c->type, (PyTypeObject *)Py_NewRef(tp));
-        c->offset = -1;
-        PyObject *d = _PyType_Lookup(tp, name); /* borrowed */
-        if (d != NULL && Py_IS_TYPE(d, &PyMemberDescr_Type)
-            && tp->tp_getattro == PyObject_GenericGetAttr
-            && PyType_IsSubtype(tp, PyDescr_TYPE(d))) { /* (a descriptor of this type's) */
-            PyMemberDef *md = ((PyMemberDescrObject *)d)->d_member;
-            if (md->type == T_OBJECT_EX && !(md->flags & READ_RESTRICTED)) {
-                c->offset = md->offset;
-            }
-        }
-        /* after the lookup, which gives the type a version tag if it had
-         * none; no valid tag: every read through PyObject_GetAttr */
-        c->version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
-    }
-    if (c->version && c->offset >= 0) {
-        PyObject *v = *(PyObject **)((char *)obj + c->offset);
-        if (v != NULL) {
-            return Py_NewRef(v);
-        }
-    }
-    return PyObject_GetAttr(obj, name);
+    return slots_get(c, obj, 0, &name, 1);
 }
 
 /* (checker, table) of ``pool`` under ``rt`` as new references: 1 found with a
@@ -495,10 +467,10 @@ journal_list(PyObject *rt, PyObject *name)
     if (journal == NULL) {
         return NULL;
     }
-    SlotRead *c = name == s_uncached ? &sr_journal[0]
-                  : name == s_freed  ? &sr_journal[1]
-                  : name == s_cached ? &sr_journal[2]
-                                     : NULL;
+    SlotTable *c = name == s_uncached ? &sr_journal[0]
+                   : name == s_freed  ? &sr_journal[1]
+                   : name == s_cached ? &sr_journal[2]
+                                      : NULL;
     PyObject *list = c != NULL ? slot_attr(journal, name, c) : PyObject_GetAttr(journal, name);
     Py_DECREF(journal);
     return list;
