@@ -33,6 +33,7 @@
 #define KVSAN_SHADOWFAST_ABI 9
 
 #include "_capi.h"
+#define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots too */
 #include "_slots.h"
 
 #include <opcode.h>
@@ -2595,19 +2596,6 @@ identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_TRUE;
 }
 
-/* RequestIdentity's slots (kvsan.checks.identity), read in line: a hit's
- * check compares four of them per block (kvsan/_slots.h) */
-enum { I_STATIC, I_TOK, I_MM, I_EMB, N_IDENT };
-static PyObject *ident_names[N_IDENT]; /* the interned names, in that order */
-static SlotTable ident_slots;
-
-/* attribute ``f`` of a chain (new reference), or NULL with an exception */
-static inline PyObject *
-ident_get(PyObject *chain, int f)
-{
-    return slots_get(&ident_slots, chain, f, ident_names, N_IDENT);
-}
-
 /* item ``i`` of list attribute ``f`` of chain ``obj`` (new reference), or
  * NULL (*err set on a Python error; unset: not a list or out of range) */
 static PyObject *
@@ -2823,11 +2811,8 @@ PyInit__shadowfast(void)
             return NULL;
         }
     }
-    static const char *ident_attrs[N_IDENT] = {"static", "tok", "mm", "emb"};
-    for (int i = 0; i < N_IDENT; i++) {
-        if ((ident_names[i] = PyUnicode_InternFromString(ident_attrs[i])) == NULL) {
-            return NULL;
-        }
+    if (ident_names_init() < 0) {
+        return NULL;
     }
     PyObject *m = PyModule_Create(&shadowfast_module);
     if (m == NULL) {

@@ -105,4 +105,40 @@ slots_set(SlotTable *t, PyObject *obj, int i, PyObject *value, PyObject *const *
     return PyObject_SetAttr(obj, names[i], value);
 }
 
+#ifdef KVSAN_IDENTITY_SLOTS
+/* kvsan.checks.identity.RequestIdentity's four slots, which _shadowfast
+ * (a hit's check compares them per block) and _tokenlinks (a chain made
+ * and extended) read and set in line.  Each module has its own copy. */
+enum { I_STATIC, I_TOK, I_MM, I_EMB, N_IDENT };
+static PyObject *ident_names[N_IDENT]; /* the interned names, in that order */
+static SlotTable ident_slots;
+
+/* 0, or -1 with an exception: the names interned (at module init) */
+static int
+ident_names_init(void)
+{
+    static const char *const text[N_IDENT] = {"static", "tok", "mm", "emb"};
+    for (int i = 0; i < N_IDENT; i++) {
+        if ((ident_names[i] = PyUnicode_InternFromString(text[i])) == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* attribute ``f`` of a chain (new reference), or NULL with an exception */
+static inline PyObject *
+ident_get(PyObject *chain, int f)
+{
+    return slots_get(&ident_slots, chain, f, ident_names, N_IDENT);
+}
+
+/* ``chain.<f> = value``: 0, or -1 with an exception */
+static inline int
+ident_set(PyObject *chain, int f, PyObject *value)
+{
+    return slots_set(&ident_slots, chain, f, value, ident_names, N_IDENT);
+}
+#endif /* KVSAN_IDENTITY_SLOTS */
+
 #endif /* KVSAN_SLOTS_H */

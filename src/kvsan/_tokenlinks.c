@@ -13,6 +13,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots */
 #include "_slots.h"
 
 #define KVSAN_TOKENLINKS_ABI 5
@@ -273,16 +274,6 @@ error: /* all or nothing: the three chains cut back to where they were */
 static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_ids,
     *s_lora_request, *s_cache_salt, *s_rid, *empty_tuple;
 
-/* RequestIdentity's four slots, read and set in line (kvsan/_slots.h) */
-enum { I_STATIC, I_TOK, I_MM, I_EMB, N_IDENT };
-static PyObject *ident_names[N_IDENT]; /* the interned names, in that order */
-static SlotTable ident_slots;
-
-static inline PyObject *
-ident_get(PyObject *ident, int f)
-{
-    return slots_get(&ident_slots, ident, f, ident_names, N_IDENT);
-}
 
 /* a new RequestIdentity(static) without running its __init__ in Python (a
  * frame per new request): the object as the type's tp_new makes it, with
@@ -300,13 +291,13 @@ new_identity(PyObject *type, PyObject *statics)
     if (ident == NULL) {
         return NULL;
     }
-    if (slots_set(&ident_slots, ident, I_STATIC, statics, ident_names, N_IDENT) < 0) {
+    if (ident_set(ident, I_STATIC, statics) < 0) {
         Py_DECREF(ident);
         return NULL;
     }
     for (int i = I_TOK; i <= I_EMB; i++) {
         PyObject *l = PyList_New(0);
-        int r = l == NULL ? -1 : slots_set(&ident_slots, ident, i, l, ident_names, N_IDENT);
+        int r = l == NULL ? -1 : ident_set(ident, i, l);
         Py_XDECREF(l);
         if (r < 0) {
             Py_DECREF(ident);
@@ -530,18 +521,15 @@ PyInit__tokenlinks(void)
     struct {
         PyObject **var;
         const char *text;
-    } names[] = {{&s_request_id, "request_id"}, {&ident_names[I_TOK], "tok"},
-                 {&ident_names[I_MM], "mm"}, {&ident_names[I_EMB], "emb"},
-                 {&s_mm_features, "mm_features"},
+    } names[] = {{&s_request_id, "request_id"}, {&s_mm_features, "mm_features"},
                  {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"},
-                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"},
-                 {&ident_names[I_STATIC], "static"}};
+                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if ((*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL) {
             return NULL;
         }
     }
-    if ((empty_tuple = PyTuple_New(0)) == NULL) {
+    if (ident_names_init() < 0 || (empty_tuple = PyTuple_New(0)) == NULL) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&tokenlinks_module);
