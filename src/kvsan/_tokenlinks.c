@@ -274,7 +274,6 @@ error: /* all or nothing: the three chains cut back to where they were */
 static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_ids,
     *s_lora_request, *s_cache_salt, *s_rid, *empty_tuple;
 
-
 /* a new RequestIdentity(static) without running its __init__ in Python (a
  * frame per new request): the object as the type's tp_new makes it, with
  * the four slots __init__ sets -- ``static``, and empty ``tok``, ``mm`` and
