@@ -2,8 +2,9 @@
  * member descriptor does it.
  *
  * kvsan's C modules read a few attributes of the same few classes on every
- * event: vLLM's KVCacheBlock (kvsan._shadowfast) and kvsan's own
- * RequestIdentity (kvsan._shadowfast, kvsan._tokenlinks).  Through
+ * event: vLLM's KVCacheBlock (kvsan._shadowfast), kvsan's own
+ * RequestIdentity (kvsan._shadowfast, kvsan._tokenlinks) and its runtime,
+ * checker and step journal (kvsan._hookfast).  Through
  * PyObject_GetAttr each read costs a type lookup and a descriptor call,
  * about 130 instructions; a prefix hit's identity check read eight
  * attributes per block that way.  A slot is a pointer at a fixed offset in
