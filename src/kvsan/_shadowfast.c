@@ -50,9 +50,6 @@ enum { A_BLOCK_ID, A_REF_CNT, A_PREV_FREE, A_IS_NULL, A_POOL, A_BLOCK_HASH, N_AT
 static const char *attr_names[N_ATTRS] = {"block_id", "ref_cnt", "prev_free_block",
                                           "is_null", "pool", "block_hash"};
 static PyObject *names[N_ATTRS];
-static PyTypeObject *slot_type = NULL; /* the type the offsets belong to */
-static unsigned int slot_version = 0;
-static Py_ssize_t slot_offset[N_ATTRS];
 
 /* The slot a property only returns, or NULL.  vLLM's ``block_hash`` is
  * ``@property def block_hash(self): return self._block_hash``: read through
@@ -91,46 +88,15 @@ plain_getter_slot(PyTypeObject *tp, PyObject *prop)
 #endif
 }
 
-static void
-resolve_slots(PyTypeObject *tp)
-{
-    Py_XSETREF(slot_type, (PyTypeObject *)Py_NewRef(tp));
-    for (int i = 0; i < N_ATTRS; i++) {
-        PyObject *d = _PyType_Lookup(tp, names[i]); /* borrowed */
-        if (d != NULL && Py_IS_TYPE(d, &PyProperty_Type)) {
-            d = plain_getter_slot(tp, d); /* borrowed, or NULL */
-        }
-        /* a member descriptor of this type's (or a base's), read the way
-         * object.__getattribute__ reads it */
-        slot_offset[i] = slot_member_offset(tp, d);
-    }
-    /* read after the lookups, which give the type a version tag if it had
-     * none; no valid tag: every read goes through PyObject_GetAttr (no
-     * offsets, so peek() reads none) */
-    slot_version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
-    if (slot_version == 0) {
-        for (int i = 0; i < N_ATTRS; i++) {
-            slot_offset[i] = -1;
-        }
-    }
-}
+/* the block type's offsets (kvsan/_slots.h), with ``block_hash``'s property
+ * read as the slot it returns */
+static SlotTable block_slots = {.property_slot = plain_getter_slot};
 
 /* new reference to attribute ``i`` of ``obj``, or NULL with an exception */
 static PyObject *
 get_field(PyObject *obj, int i)
 {
-    PyTypeObject *tp = Py_TYPE(obj);
-    if (tp != slot_type || !slot_version || tp->tp_version_tag != slot_version
-        || !(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
-        resolve_slots(tp);
-    }
-    if (slot_version && slot_offset[i] >= 0) {
-        PyObject *v = *(PyObject **)((char *)obj + slot_offset[i]);
-        if (v != NULL) {
-            return Py_NewRef(v);
-        }
-    }
-    return PyObject_GetAttr(obj, names[i]);
+    return slots_get(&block_slots, obj, i, names, N_ATTRS);
 }
 
 /* Field ``i`` of ``obj`` as a borrowed pointer, read in line where the
@@ -140,41 +106,17 @@ get_field(PyObject *obj, int i)
  * 16 fields through get_field's call, reference count and release, which
  * took as many instructions as vLLM's own touch.  The type's version tag
  * alone tells that it is unchanged: CPython clears the valid flag and sets
- * the tag to 0 together (PyType_Modified), and where resolve_slots found
+ * the tag to 0 together (PyType_Modified), and where slots_resolve found
  * no valid tag it left no offsets (a 4-block touch reads 16 fields). */
 static inline PyObject *
 peek(PyObject *obj, int i)
 {
     PyTypeObject *tp = Py_TYPE(obj);
-    if (tp == slot_type && tp->tp_version_tag == slot_version && slot_offset[i] >= 0) {
-        return *(PyObject **)((char *)obj + slot_offset[i]);
+    if (tp == block_slots.type && tp->tp_version_tag == block_slots.version
+        && block_slots.offset[i] >= 0) {
+        return *(PyObject **)((char *)obj + block_slots.offset[i]);
     }
     return NULL;
-}
-
-/* 1 with ``*out`` set when ``v`` is an exact int of at most one digit (block
- * ids and counts), read from its digit; 0 otherwise (then PyLong_AsSsize_t) */
-static inline int
-small_int(PyObject *v, Py_ssize_t *out)
-{
-#if PY_VERSION_HEX < 0x030C0000 /* ob_size and ob_digit: CPython 3.10 and 3.11 */
-    if (v != NULL && PyLong_CheckExact(v)) {
-        Py_ssize_t size = Py_SIZE(v);
-        if (size == 0) {
-            *out = 0;
-            return 1;
-        }
-        if (size == 1 || size == -1) {
-            Py_ssize_t d = (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
-            *out = size < 0 ? -d : d;
-            return 1;
-        }
-    }
-#else
-    (void)v;
-    (void)out;
-#endif
-    return 0;
 }
 
 /* a tuple of ``n`` new references (stolen; NULL items allowed: then all are
@@ -2419,10 +2361,11 @@ static PyMethodDef Table_methods[] = {
 static PyObject *
 slot_reads(PyObject *module, PyObject *block)
 {
-    resolve_slots(Py_TYPE(block));
+    slots_resolve(&block_slots, Py_TYPE(block), names, N_ATTRS);
     PyObject *out = PyList_New(0);
     for (int i = 0; out != NULL && i < N_ATTRS; i++) {
-        if (slot_version && slot_offset[i] >= 0 && PyList_Append(out, names[i]) < 0) {
+        if (block_slots.version && block_slots.offset[i] >= 0
+            && PyList_Append(out, names[i]) < 0) {
             Py_CLEAR(out);
         }
     }

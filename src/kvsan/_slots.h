@@ -1,5 +1,5 @@
 /* Reading and setting an object's ``__slots__`` in line, as CPython's own
- * member descriptor does it.
+ * member descriptor does it (and a one-digit int's value from its digit).
  *
  * kvsan's C modules read a few attributes of the same few classes on every
  * event: vLLM's KVCacheBlock (kvsan._shadowfast), kvsan's own
@@ -31,6 +31,9 @@ typedef struct {
     PyTypeObject *type; /* strong reference: the type the offsets belong to */
     unsigned int version;
     Py_ssize_t offset[KVSAN_SLOTS_MAX]; /* -1: read through PyObject_GetAttr */
+    /* optional: the slot descriptor a property of the type only returns, or
+     * NULL (kvsan._shadowfast reads vLLM's ``block_hash`` property so) */
+    PyObject *(*property_slot)(PyTypeObject *tp, PyObject *prop);
 } SlotTable;
 
 /* the offset of descriptor ``d`` (found on ``tp``) when it is a plain object
@@ -55,7 +58,11 @@ slots_resolve(SlotTable *t, PyTypeObject *tp, PyObject *const *names, int n)
 {
     Py_XSETREF(t->type, (PyTypeObject *)Py_NewRef(tp));
     for (int i = 0; i < n && i < KVSAN_SLOTS_MAX; i++) {
-        t->offset[i] = slot_member_offset(tp, _PyType_Lookup(tp, names[i]));
+        PyObject *d = _PyType_Lookup(tp, names[i]); /* borrowed */
+        if (d != NULL && t->property_slot != NULL && Py_IS_TYPE(d, &PyProperty_Type)) {
+            d = t->property_slot(tp, d); /* borrowed, or NULL */
+        }
+        t->offset[i] = slot_member_offset(tp, d);
     }
     t->version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
     if (t->version == 0) {
@@ -104,6 +111,32 @@ slots_set(SlotTable *t, PyObject *obj, int i, PyObject *value, PyObject *const *
         return 0;
     }
     return PyObject_SetAttr(obj, names[i], value);
+}
+
+/* 1 with ``*out`` set when ``v`` is an exact int of at most one digit (block
+ * ids, counts, steps, token ids), read from its digit; 0 otherwise (then
+ * PyLong_AsSsize_t or PyObject_Hash) */
+static inline int
+small_int(PyObject *v, Py_ssize_t *out)
+{
+#if PY_VERSION_HEX < 0x030C0000 /* ob_size and ob_digit: CPython 3.10 and 3.11 */
+    if (v != NULL && PyLong_CheckExact(v)) {
+        Py_ssize_t size = Py_SIZE(v);
+        if (size == 0) {
+            *out = 0;
+            return 1;
+        }
+        if (size == 1 || size == -1) {
+            Py_ssize_t d = (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
+            *out = size < 0 ? -d : d;
+            return 1;
+        }
+    }
+#else
+    (void)v;
+    (void)out;
+#endif
+    return 0;
 }
 
 #ifdef KVSAN_IDENTITY_SLOTS

@@ -50,26 +50,15 @@ acc_finish(Py_uhash_t acc, Py_ssize_t len)
 }
 
 /* hash(item) for a token id, read from the int's digit where it has at most
- * one (as CPython 3.11's long_hash computes it), else PyObject_Hash: a
- * block's 16 token hashes were 16 calls through the type */
+ * one (small_int; CPython's long_hash gives the value, -1 becoming -2), else
+ * PyObject_Hash: a block's 16 token hashes were 16 calls through the type */
 static inline Py_hash_t
 token_hash(PyObject *item)
 {
-#if PY_VERSION_HEX < 0x030C0000 /* ob_size and ob_digit: CPython 3.10 and 3.11 */
-    if (PyLong_CheckExact(item)) {
-        Py_ssize_t size = Py_SIZE(item);
-        Py_hash_t d = (Py_hash_t)((PyLongObject *)item)->ob_digit[0];
-        if (size == 0) {
-            return 0;
-        }
-        if (size == 1) {
-            return d;
-        }
-        if (size == -1) {
-            return d == 1 ? -2 : -d;
-        }
+    Py_ssize_t v;
+    if (small_int(item, &v)) {
+        return v == -1 ? -2 : (Py_hash_t)v;
     }
-#endif
     return PyObject_Hash(item);
 }
 
