@@ -60,10 +60,14 @@ def ensure_medium_model(seed: int = 0) -> str:
     return path
 
 
-def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) -> None:
+def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int,
+               probe=None) -> None:
     """A lane process (:func:`benchmarks.lanes.serve`): boot, warm up, then
     the traffic ``rounds`` times, one step per command (CPU time of this
-    thread: in-process mode runs the engine core and the model here)."""
+    thread: in-process mode runs the engine core and the model here).
+    ``probe``: an object whose ``start(llm)`` runs after the warm-up and
+    whose ``summary(llm)`` dict joins the lane's summary
+    (:mod:`benchmarks.workercost`)."""
     import hashlib
 
     from vllm import LLM
@@ -75,6 +79,8 @@ def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) 
     llm = LLM(**traffic.engine_kwargs(model))
     traffic.run(llm, seed=seed, groups=2, per_group=2)  # warm-up
     rt = current_runtime()
+    if probe is not None:
+        probe.start(llm)
     clock = time.thread_time_ns
     state = {"round": 0, "res": None, "rounds": [], "kvsan": (0.0, 0.0)}
 
@@ -110,7 +116,8 @@ def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int) 
             start_round()
 
     stepper.summary = lambda: {"rounds": state["rounds"], "kvsan": rt is not None,
-                               "violations": len(rt.violations()) if rt is not None else 0}
+                               "violations": len(rt.violations()) if rt is not None else 0,
+                               **(probe.summary(llm) if probe is not None else {})}
     start_round()
     lanes.serve(stepper)
 

@@ -117,3 +117,18 @@ def test_cuda_device_host_tiny():
     for r in res.values():
         assert r["us_per_step_median"] > 0 and r["violations"] == 0
         assert {"add_step", "guard", "seal"} <= set(r["us_per_step_by_call"])
+
+
+def test_workercost_times_the_worker_side_on_the_engine():
+    """``benchmarks.workercost`` for real, one round: the timed default lane
+    against an off lane; the Python routes and the native hooks each
+    report calls, and kvsan's worker-side time is there."""
+    from benchmarks import workercost
+
+    res = workercost.bench(rounds=1)
+    rows = res["rows"]
+    assert res["steps"] > 0 and res["device_us"] > 0
+    for name in ("_begin", "DeviceChecker.checksums", "_prepare_inputs (native hook)",
+                 "execute_model (native hook)"):
+        assert rows[name]["calls_per_step"] > 0 and rows[name]["us_per_call"] > 0, name
+    assert "inclusive" in workercost.markdown(res)
