@@ -6,15 +6,16 @@ an off lane (:mod:`benchmarks.lanes`).  :mod:`benchmarks.hookcost` does the
 same for the scheduler side.
 
 Why a timed lane and not a profiler: a sampling profiler that does not
-stop the process (py-spy's default) put 0.2% of the step in kvsan's Prometheus refresh
-here, which runs two or three times a round, about 15 µs each; and
-callgrind counts instructions, not the cache misses that make most of
-kvsan's cost between two forward passes.  The timers are Python wrappers
-(about 0.3 µs a call, included); the rows are inclusive (a row includes
-the rows it calls: ``_begin`` holds ``DeviceChecker.verify_step``, which
-holds ``DeviceChecker.checksums``), so they do not add up.  The native
-STEP and GUARD hooks (``kvsan._hookfast``) time themselves: their rows are
-the quiet steps they took whole and kvsan's time in them.
+stop the process (py-spy's default) put 0.2% of the step in kvsan's
+Prometheus refresh here, which runs two or three times a round for about
+15 µs; and callgrind counts instructions, not the cache misses that make
+most of kvsan's cost between two forward passes.  The timers are Python
+wrappers (their own cost is in the rows and in the default lane's step);
+the rows are inclusive (``_begin`` holds ``DeviceChecker.verify_step``,
+which holds ``DeviceChecker.checksums``), so they do not add up.  The
+native STEP and GUARD hooks (``kvsan._hookfast``) time themselves: their
+rows are the calls they handled and kvsan's time in them (the calls they
+hand to Python are in the Python rows).
 
     .venv/bin/python -m benchmarks.workercost [rounds]
 """
