@@ -83,6 +83,19 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
+def native_hooks(*classes):
+    """``(attribute, hook)`` for each of kvsan's native hooks
+    (``kvsan._hookfast``) installed on ``classes``: each counts the calls it
+    handled and kvsan's time in them (``calls``, ``seconds``)."""
+    from kvsan.hooks import native_hook
+
+    for cls in classes:
+        for attr, fn in vars(cls).items():
+            hook = native_hook(fn)
+            if hook is not None:
+                yield attr, hook
+
+
 def table(header: list[str], rows: list[list]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -28,7 +28,7 @@ import sys
 import time
 from collections import defaultdict
 
-from .common import table
+from .common import native_hooks, table
 
 #: a trampoline (as kvsan.hooks._trampoline makes) that also times the call
 #: and, apart, the engine method inside it: label -> [calls, own ns]
@@ -104,17 +104,13 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
         from vllm.v1.core.kv_cache_coordinator import KVCacheCoordinator
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        from kvsan.hooks import native_hook
-
         out = {k: v for k, v in acc.items()}
-        for cls in (BlockPool, KVCacheCoordinator, Scheduler):  # kvsan._hookfast's own counts
-            for attr, fn in vars(cls).items():
-                hook = native_hook(fn)
-                if hook is not None:
-                    out[f"{attr} (native hook)"] = [hook.calls, int(hook.seconds * 1e9)]
-                    if hook.observed:
-                        out["identity observer (native, in cache_full_blocks)"] = [
-                            hook.observed, int(hook.observe_seconds * 1e9)]
+        # kvsan._hookfast's own counts
+        for attr, hook in native_hooks(BlockPool, KVCacheCoordinator, Scheduler):
+            out[f"{attr} (native hook)"] = [hook.calls, int(hook.seconds * 1e9)]
+            if hook.observed:
+                out["identity observer (native, in cache_full_blocks)"] = [
+                    hook.observed, int(hook.observe_seconds * 1e9)]
         return {"hooks": out}
 
     sched.serve_lane(setting, n, steps, seed, num_blocks, extra=extra)

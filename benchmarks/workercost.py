@@ -23,11 +23,12 @@ hand to Python are in the Python rows).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from collections import defaultdict
 
-from .common import ENV, table
+from .common import ENV, native_hooks, table
 
 #: the worker adapter's functions (``kvsan.hooks.vllm_worker``) a step runs
 #: in Python: the hooks' Python routes and what they share
@@ -68,20 +69,16 @@ class Probe:
         for name in CHECKER_METHODS:
             setattr(DeviceChecker, name,
                     _timed(self.acc, f"DeviceChecker.{name}", getattr(DeviceChecker, name)))
+        #: the native hooks' counts and kvsan's worker-side time at start()
         self.base: dict[str, tuple[int, float]] = {}
+        self.device0 = 0.0
 
     @staticmethod
     def _native() -> dict[str, tuple[int, float]]:
         from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-        from kvsan.hooks import native_hook
-
-        out = {}
-        for attr, fn in vars(GPUModelRunner).items():
-            hook = native_hook(fn)
-            if hook is not None:
-                out[f"{attr} (native hook)"] = (hook.calls, hook.seconds)
-        return out
+        return {f"{attr} (native hook)": (hook.calls, hook.seconds)
+                for attr, hook in native_hooks(GPUModelRunner)}
 
     def _device_s(self) -> float:
         from kvsan import current_runtime
@@ -129,7 +126,8 @@ def bench(rounds: int = 3, seed: int = 0, model: str | None = None) -> dict:
     rows = {k: {"calls_per_step": c / steps, "us_per_call": ns / c / 1e3,
                 "us_per_step": ns / steps / 1e3}
             for k, (c, ns) in got["default"]["summary"]["worker"].items() if c}
-    return {"rounds": rounds, "steps": steps, "off_us": off / steps / 1e3,
+    return {"model": os.path.basename(model), "rounds": rounds, "steps": steps,
+            "off_us": off / steps / 1e3,
             "default_us": on / steps / 1e3,
             "device_us": got["default"]["summary"]["device_ns"] / steps / 1e3, "rows": rows}
 
@@ -138,7 +136,7 @@ def markdown(res: dict) -> str:
     rows = sorted(res["rows"].items(), key=lambda kv: -kv[1]["us_per_step"])
     body = [[k, f"{r['calls_per_step']:.2f}", f"{r['us_per_call']:.1f}",
              f"{r['us_per_step']:.1f}"] for k, r in rows]
-    head = (f"{res['rounds']} rounds, {res['steps']} steps, tiny model: off "
+    head = (f"{res['rounds']} rounds, {res['steps']} steps, {res['model']}: off "
             f"{res['off_us']:.0f} µs/step, default {res['default_us']:.0f} µs/step "
             f"(timers included, lanes side by side); kvsan's worker-side time in the "
             f"default lane: {res['device_us']:.1f} µs/step "
