@@ -85,6 +85,7 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_scheduled_new_reqs, *s_kv_cache_block_copies, *s_step_hits, *s_pending_sums,
     *s_scheduled_cached_reqs, *s_resumed_req_ids, *s_new_block_ids, *s_poison_on,
     *s_checksum, *s_sums, *s__tick, *s_SAMPLE_BATCH_STEPS, *s_pending_seal, *s_pending_guard,
+    *s_will_seal,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where;
 
@@ -1154,13 +1155,16 @@ last_checker(PyObject *last, PyObject *runner)
 }
 
 /* A quiet step begun as kvsan.hooks.vllm_worker.begin_step begins it: the
- * scheduler's output hands the worker view nothing to apply (no request
- * finished, preempted, new or resumed, no new block, no copy, nothing
- * cached, uncached or dropped, nothing to poison), no prefix hit is
- * pending and no checksum is due.  1 begun (rt.step and the checker's
- * sampling tick set, nothing else changed), 0 not quiet (nothing
- * changed), -1 error (nothing changed).  The conditions are all read
- * before anything is set. */
+ * scheduler's output hands the worker view nothing to apply but blocks it
+ * cached (no request finished, preempted, new or resumed, no new block, no
+ * copy, nothing uncached or dropped, nothing to poison) and no prefix hit
+ * is pending.  The blocks it cached go to the checker's ``will_seal``, as
+ * there (most steps of a prompt's last chunk).  1 begun (rt.step and the
+ * checker's sampling tick set), 2 begun but for the step's checksums: a
+ * sampled batch is due, which the caller runs (``verify_step``, which sets
+ * the tick), 0 not quiet (nothing changed), -1 error (nothing changed but
+ * the checker's ``pending_seal``, whose entries ``will_seal`` sets again).
+ * The conditions are all read before anything is set. */
 static int
 quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
 {
@@ -1184,8 +1188,8 @@ quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
         {so, s_finished_req_ids, 0, 0},  {so, s_preempted_req_ids, 1, 0},
         {payload, s_reset, 0, 1},        {payload, s_uncached, 0, 1},
         {payload, s_dropped, 1, 1},      {so, s_scheduled_new_reqs, 0, 0},
-        {so, s_kv_cache_block_copies, 1, 0}, {payload, s_cached, 0, 1},
-        {dc, s_step_hits, 0, 0},         {dc, s_pending_sums, 0, 0},
+        {so, s_kv_cache_block_copies, 1, 0}, {dc, s_step_hits, 0, 0},
+        {dc, s_pending_sums, 0, 0},
     };
     for (size_t i = 0; i < sizeof(busy) / sizeof(busy[0]); i++) {
         int t = busy[i].dict ? item_truth(busy[i].obj, busy[i].name, busy[i].optional)
@@ -1223,8 +1227,9 @@ quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
             goto done;
         }
     }
-    /* verify_step: quiet unless a sampled batch is due (or every block
-     * every step: "all") */
+    /* verify_step: nothing to verify (no hit), unless a sampled batch is
+     * due (2) or every block is verified every step ("all": not quiet) */
+    int due = 0;
     if ((checksum = PyObject_GetAttr(dc, s_checksum)) == NULL) {
         goto done;
     }
@@ -1248,20 +1253,41 @@ quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
         }
         long long k = PyLong_CheckExact(tick) ? PyLong_AsLongLong(tick) : -1;
         long long every = PyLong_CheckExact(batch) ? PyLong_AsLongLong(batch) : -1;
-        if (k < 0 || every <= 0 || (k + 1) % every == 0) {
-            r = PyErr_Occurred() ? -1 : 0; /* (a batch is due: Python samples it) */
+        if (k < 0 || every <= 0) {
+            r = PyErr_Occurred() ? -1 : 0;
             goto done;
         }
-        if ((newtick = PyLong_FromLongLong(k + 1)) == NULL) {
+        due = (k + 1) % every == 0; /* (then verify_step moves the tick) */
+        if (!due && (newtick = PyLong_FromLongLong(k + 1)) == NULL) {
             goto done;
         }
     }
-    /* begun: the step first (set again, to the same, if the tick fails) */
+    /* begun: the blocks cached first (the only call that may fail part way:
+     * repeated, it sets the same), then the step (set again, to the same, if
+     * the tick fails) */
+    PyObject *cached = PyDict_GetItemWithError(payload, s_cached); /* borrowed */
+    if (cached == NULL) {
+        if (!PyErr_Occurred()) {
+            PyErr_SetObject(PyExc_KeyError, s_cached);
+        }
+        goto done;
+    }
+    t = PyObject_IsTrue(cached);
+    if (t < 0) {
+        goto done;
+    }
+    if (t) {
+        PyObject *got = PyObject_CallMethodOneArg(dc, s_will_seal, cached);
+        if (got == NULL) {
+            goto done;
+        }
+        Py_DECREF(got);
+    }
     if (PyObject_SetAttr(rt, s_step, step) < 0
         || (newtick != NULL && PyObject_SetAttr(dc, s__tick, newtick) < 0)) {
         goto done;
     }
-    r = 1;
+    r = due ? 2 : 1;
 done:
     Py_XDECREF(payload);
     Py_XDECREF(cr);
@@ -1275,25 +1301,55 @@ done:
 }
 
 /* K_STEP: the V1 runner's ``execute_model(scheduler_output,
- * intermediate_tensors=None)``.  A quiet step (see quiet_begin: most
- * decode steps) is begun here, without the Python hook's frames; vLLM's
- * method runs; what follows it (a seal, a deferred guard) goes to
- * ``h->post(rt, runner, checker, result)`` when the checker has any.  Any
- * other step -- a busy one, the runner's first, a previous step left
- * unsealed, another runtime, a failure of ours -- goes to the Python hook
- * whole, before vLLM's method runs.  ``h->state`` is set by the Python
- * hook once it began a step: (weak ref to the runtime, vllm_worker's
- * one-entry checker cache [weak ref to the runner, checker], its dict of
- * unsealed steps). */
+ * intermediate_tensors=None)``.  The runner's previous step, if it was
+ * left unsealed, is sealed first (``seal_left(rt, runner)``, as the Python
+ * hook does).  A quiet step (see quiet_begin: most decode steps) is then
+ * begun here, without the Python hook's frames, its sampled checksums (when
+ * a batch is due) through ``scrub(rt, runner, checker)``; vLLM's method
+ * runs; what follows it (a seal, a deferred guard) goes to ``h->post(rt,
+ * runner, checker, result)`` when the checker has any.  Any other step --
+ * a busy one, the runner's first, another runtime, a failure of ours --
+ * goes to the Python hook whole, before vLLM's method runs.  ``h->state``
+ * is set by the Python hook once it began a step: (weak ref to the
+ * runtime, vllm_worker's one-entry checker cache [weak ref to the runner,
+ * checker], its dict of unsealed steps, seal_left, scrub).  seal_left and
+ * scrub guard themselves (counted in log mode); they fail only with a
+ * violation raised, which propagates before vLLM's method runs, as it
+ * does from the Python hook. */
 static PyObject *
 step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *st = h->state;
     if (st == Py_None || nargs < 2 || nargs > 3 || kwnames != NULL
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
-        || PyDict_GET_SIZE(PyTuple_GET_ITEM(st, 2)) != 0) {
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt) {
         return SLOW();
+    }
+    if (PyDict_GET_SIZE(PyTuple_GET_ITEM(st, 2)) != 0) { /* a step left unsealed */
+        Py_INCREF(st); /* (the call may replace it) */
+        Py_INCREF(rt);
+        PyObject *argv[2] = {rt, args[0]};
+        PyObject *r = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 3), argv, 2, NULL);
+        /* what the call may have changed: another runner's step still
+         * unsealed, the state, the running kvsan (read while rt is held) */
+        int left = PyDict_GET_SIZE(PyTuple_GET_ITEM(st, 2)) != 0;
+        int same = h->state == st;
+        Py_DECREF(st);
+        if (r == NULL) {
+            Py_DECREF(rt);
+            return NULL; /* a violation raised (raise / abort mode) */
+        }
+        Py_DECREF(r);
+        PyObject *still = running();
+        if (still == NULL) {
+            PyErr_Clear();
+        }
+        if (left || !same || still != rt) {
+            PyObject *ret = SLOW();
+            Py_DECREF(rt);
+            return ret;
+        }
+        Py_DECREF(rt); /* (still held by the runtime module) */
     }
     PyObject *dc = last_checker(PyTuple_GET_ITEM(st, 1), args[0]);
     if (dc == NULL) {
@@ -1301,6 +1357,7 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     }
     Py_INCREF(rt);
     Py_INCREF(dc);
+    Py_INCREF(st);
     PyObject *runner = Py_NewRef(args[0]);
     double t0 = now();
     int q = quiet_begin(rt, dc, args[1]);
@@ -1308,12 +1365,22 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         PyErr_Clear(); /* the Python hook meets (and guards) the same */
         PyObject *ret = SLOW();
         Py_DECREF(runner);
+        Py_DECREF(st);
         Py_DECREF(dc);
         Py_DECREF(rt);
         return ret;
     }
     double own = now() - t0; /* (filed once, with the second half's) */
-    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    PyObject *ret = NULL;
+    if (q == 2) { /* the step's sampled checksums */
+        PyObject *argv[3] = {rt, runner, dc};
+        PyObject *r = PyObject_Vectorcall(PyTuple_GET_ITEM(st, 4), argv, 3, NULL);
+        if (r == NULL) {
+            goto filed; /* a violation raised (raise / abort mode) */
+        }
+        Py_DECREF(r);
+    }
+    ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) {
         t0 = now();
         int rest = attr_truth(dc, s_pending_seal, 0);
@@ -1339,11 +1406,13 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             }
         }
     }
+filed:;
     PyObject *et, *ev, *etb; /* vLLM's or a violation, set aside while the time is filed */
     PyErr_Fetch(&et, &ev, &etb);
     took_device(h, rt, own);
     PyErr_Restore(et, ev, etb);
     Py_DECREF(runner);
+    Py_DECREF(st);
     Py_DECREF(dc);
     Py_DECREF(rt);
     return ret;
@@ -1800,17 +1869,21 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
               && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
     }
     if (!ok && (h->kind == K_STEP || h->kind == K_GUARD) && PyTuple_CheckExact(value)
-        && PyTuple_GET_SIZE(value) == 3) {
+        && PyTuple_GET_SIZE(value) == (h->kind == K_STEP ? 5 : 3)) {
         PyObject *third = PyTuple_GET_ITEM(value, 2);
         ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
              && PyList_CheckExact(PyTuple_GET_ITEM(value, 1))
-             && (h->kind == K_STEP ? PyDict_CheckExact(third) : third == Py_None);
+             && (h->kind == K_STEP ? PyDict_CheckExact(third) && PyCallable_Check(
+                                         PyTuple_GET_ITEM(value, 3))
+                                         && PyCallable_Check(PyTuple_GET_ITEM(value, 4))
+                                   : third == Py_None);
     }
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
                         "state: None; for an END hook (weak ref, weak ref, dict, held owners "
                         "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, "
-                        "list, dict); for a GUARD hook (weak ref, list, None)");
+                        "list, dict, callable, callable); for a GUARD hook (weak ref, list, "
+                        "None)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
@@ -2056,6 +2129,7 @@ PyInit__hookfast(void)
     INTERN(s__tick, "_tick");
     INTERN(s_SAMPLE_BATCH_STEPS, "SAMPLE_BATCH_STEPS");
     INTERN(s_pending_seal, "pending_seal");
+    INTERN(s_will_seal, "will_seal");
     INTERN(s_pending_guard, "pending_guard");
     INTERN(s_device_s, "device_s");
     INTERN(s_input_batch, "input_batch");

@@ -359,16 +359,38 @@ def _native_guard(rt, runner, counts, got) -> None:
         rt.device_s += dt
 
 
+def _native_scrub(rt, runner, dc: DeviceChecker) -> None:
+    """The native STEP hook's sampled checksums: a step it began whose
+    sampled batch is due (guarded as the step's start is in
+    :func:`_execute_model`)."""
+    _dguard(rt, "execute_model.begin", _scrub, runner, dc)
+
+
+def _scrub(runner, dc: DeviceChecker) -> None:
+    dc.verify_step(_layers(runner))
+
+
+#: what :func:`_hand_to_native` hands each native hook after its own state
+#: (weak ref to the runtime, the one-entry checker cache): the STEP hook
+#: the unsealed steps and the two Python calls it makes
+_NATIVE_STATE = (("execute_model", (_unsealed, _seal_left, _native_scrub)),
+                 ("_prepare_inputs", (None,)))
+
+
 def _hand_to_native(rt, cls) -> None:
     """From now on the native STEP and GUARD hooks on ``cls`` (when there
     are) begin quiet steps and guard the common ones themselves
     (kvsan._hookfast's step_call and guard_call), with this module's
-    caches; any other step still comes here."""
-    for attr, third in (("execute_model", _unsealed), ("_prepare_inputs", None)):
-        hook = _hooks.native_hook(getattr(cls, attr, None))
-        st = hook.state if hook is not None else None
-        if hook is not None and (st is None or st[0]() is not rt):
-            hook.state = (weakref.ref(rt), _LAST_CHECKER, third)
+    caches; any other step still comes here.  Inline (it runs after every
+    step the Python hook began): a class attribute and a type check per
+    hook when they are already handed."""
+    hook_type = _hooks._HOOK_TYPE
+    for attr, rest in _NATIVE_STATE:
+        hook = getattr(cls, attr, None)
+        if type(hook) is hook_type:
+            st = hook.state
+            if st is None or st[0]() is not rt:
+                hook.state = (weakref.ref(rt), _LAST_CHECKER, *rest)
 
 
 def _ints(counts) -> list[int]:
