@@ -265,9 +265,9 @@ done:
 /* kvsan.checks.device.DeviceChecker's attributes read by guard_step
  * (interned at import) */
 enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
-       G_COUNTERS, G_GUARDED, G_DATA_PTR, G_N };
+       G_COUNTERS, G_RID_INT, G_GUARDED, G_DATA_PTR, G_N };
 static const char *g_names[G_N] = {"pending_guard", "_may_defer", "step_hits", "_last_batch",
-                                   "_slots_view", "_np", "block_size", "counters",
+                                   "_slots_view", "_np", "block_size", "counters", "_rid_int",
                                    "guarded_tokens", "data_ptr"};
 static PyObject *g_str[G_N];
 
@@ -280,6 +280,9 @@ static PyObject *g_str[G_N];
  * step guarded: fill and the guarded-token count updated; the caller
  * reports them), or None, with nothing changed, for any other step (the
  * caller runs DeviceChecker.guard, which gives the same results).
+ * A batch of other requests than the last guard's is the common step too
+ * when every one of them has its int already (``_rid_int``): it becomes
+ * the new ``_last_batch``, as DeviceChecker.guard makes it.
  *
  * Between two forward passes every Python frame is a cache miss, and a
  * step's guard took two (DeviceChecker.guard and _check_writes) and a list
@@ -299,7 +302,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *dc = args[0], *sm = args[1], *rids = args[2];
     PyObject *o[G_N] = {NULL};
-    PyObject *ptr = NULL, *out = NULL;
+    PyObject *ptr = NULL, *out = NULL, *ids = NULL, *new_rids = NULL;
     Py_buffer cb;
     GuardBuffers gb = {.have = 0};
     int have_c = 0;
@@ -318,7 +321,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (o[G_PENDING] != Py_None || may || hits) {
         goto done;
     }
-    for (int i = G_LAST_BATCH; i <= G_COUNTERS; i++) {
+    for (int i = G_LAST_BATCH; i <= G_RID_INT; i++) {
         if ((o[i] = GET(dc, i)) == NULL) {
             goto done;
         }
@@ -326,7 +329,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *last = o[G_LAST_BATCH], *view = o[G_SLOTS_VIEW], *np = o[G_NP];
     if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 2 || !PyTuple_Check(view)
         || PyTuple_GET_SIZE(view) != 3 || !PyTuple_Check(np) || PyTuple_GET_SIZE(np) != 3
-        || !PyDict_Check(o[G_COUNTERS])) {
+        || !PyDict_Check(o[G_COUNTERS]) || !PyDict_CheckExact(o[G_RID_INT])) {
         goto done;
     }
     PyObject *last_rids = PyTuple_GET_ITEM(last, 0), *last_ids = PyTuple_GET_ITEM(last, 1);
@@ -340,20 +343,39 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Clear();
         goto done;
     }
-    /* the batch: the same requests, in the same order, as the last guard */
+    /* the batch: the same requests, in the same order, as the last guard,
+     * or requests that all have their ints (``ids``: then the new batch's) */
     Py_ssize_t n = PyLong_AsSsize_t(args[3]);
     if (n == -1 && PyErr_Occurred()) {
         goto done;
     }
-    if (n != PyList_GET_SIZE(last_rids) || !PyList_Check(rids) || PyList_GET_SIZE(rids) < n) {
+    if (!PyList_CheckExact(rids) || PyList_GET_SIZE(rids) < n || n < 0) {
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    int same_batch = n == PyList_GET_SIZE(last_rids);
+    for (Py_ssize_t i = 0; i < n && same_batch; i++) {
         PyObject *a = PyList_GET_ITEM(rids, i), *b = PyList_GET_ITEM(last_rids, i);
         int eq = a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
-        if (eq <= 0) {
+        if (eq < 0) {
             goto done; /* (an error goes to Python too: it meets the same) */
         }
+        same_batch = eq;
+    }
+    if (!same_batch) {
+        if ((ids = PyList_New(n)) == NULL) {
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < n; i++) {
+            PyObject *id = PyDict_GetItemWithError(o[G_RID_INT], PyList_GET_ITEM(rids, i));
+            if (id == NULL) {
+                goto done; /* a request without its int yet (or an error): Python's */
+            }
+            PyList_SET_ITEM(ids, i, Py_NewRef(id));
+        }
+        if ((new_rids = PyList_GetSlice(rids, 0, n)) == NULL) {
+            goto done;
+        }
+        last_ids = ids;
     }
     /* the slot mapping: the tensor whose view is kept, at the same address */
     if (sm != PyTuple_GET_ITEM(view, 0)) {
@@ -383,6 +405,9 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (PyList_GET_SIZE(last_ids) < n || PyList_GET_SIZE(rids) < n) {
         goto done; /* (changed by the Python code the calls above may run) */
     }
+    /* (kept: the last batch's ids list may be replaced by that code) */
+    Py_INCREF(last_ids);
+    Py_XSETREF(ids, last_ids);
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *at = (const char *)cb.buf + i * cb.strides[0];
@@ -427,6 +452,14 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (r < 0) {
         goto done;
     }
+    if (new_rids != NULL) { /* the new batch, as DeviceChecker.guard keeps it */
+        PyObject *pair = PyTuple_Pack(2, new_rids, ids);
+        r = pair == NULL ? -1 : PyObject_SetAttr(dc, g_str[G_LAST_BATCH], pair);
+        Py_XDECREF(pair);
+        if (r < 0) {
+            goto done;
+        }
+    }
     out = guard_core(&gb.sb, w, c, n, &gb.lb, &gb.fb, &gb.mb, bs);
 done:
     if (!common && out == NULL) { /* not the common case: DeviceChecker.guard's */
@@ -435,6 +468,8 @@ done:
     }
     PyMem_Free(w);
     PyMem_Free(c);
+    Py_XDECREF(ids);
+    Py_XDECREF(new_rids);
     if (have_c) PyBuffer_Release(&cb);
     guard_release(&gb);
     for (int i = 0; i < G_N; i++) {
