@@ -224,3 +224,24 @@ def test_bad_hook_state_is_refused(eng):
         h.state = (weakref.ref(mine()), [None, None], None)
     with pytest.raises(TypeError, match="GUARD hook"):
         hook("_prepare_inputs").state = (weakref.ref(mine()), [None, None], {})
+
+
+def test_a_seal_left_and_the_sampled_batches_stay_in_c(eng, rt):
+    """The step after one whose blocks were cached (left unsealed) and the
+    steps whose sampled checksum batch is due are begun by the native STEP
+    hook (it seals and samples through the Python calls it was handed),
+    not sent to the Python hook whole; the batches still verify."""
+    from kvsan.checks.device import DeviceChecker
+
+    n = 2 * DeviceChecker.SAMPLE_BATCH_STEPS
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=n + 2)
+    step(eng)  # the prompt: two full blocks cached, sealed when the next step begins
+    dc = device()
+    assert dc.pending_seal
+    begun, verified = hook("execute_model").calls, dc.counters["verified"]
+    step(eng, n)  # decode, no block filled or added (69 + 16 < 3 * BS)
+    assert not dc.pending_seal and len(dc.sealed) >= 2
+    assert hook("execute_model").calls - begun == n
+    assert dc.counters["verified"] - verified >= 2  # two batches, each over the sealed blocks
+    assert rt.violations() == []
+    drain(eng)
