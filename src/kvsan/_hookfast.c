@@ -42,14 +42,14 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 8
+#define KVSAN_HOOKFAST_ABI 9
 
 #include "_capi.h"
 #include "_slots.h"
 #include <structmember.h>
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
-       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_N = 9 };
+       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_N = 10 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -79,13 +79,13 @@ static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_f
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
     *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
     *s_requests, *s_req_to_blocks, *s_kv_cache_group_id, *s_is_null, *s_dropped, *s_block_id,
-    *s_remove_blocks, *zero;
+    *s_remove_blocks, *zero, *one;
 /* the worker side's (K_STEP, K_GUARD) */
 static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_scheduled_new_reqs, *s_kv_cache_block_copies, *s_step_hits, *s_pending_sums,
     *s_scheduled_cached_reqs, *s_resumed_req_ids, *s_new_block_ids, *s_poison_on,
     *s_checksum, *s_sums, *s__tick, *s_SAMPLE_BATCH_STEPS, *s_pending_seal, *s_pending_guard,
-    *s_will_seal,
+    *s_will_seal, *s_pending_release, *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where;
 
@@ -1154,6 +1154,178 @@ last_checker(PyObject *last, PyObject *runner)
     return dc;
 }
 
+/* ---- the scheduler's step (kvsan.hooks.vllm_allocator._schedule) ---- */
+
+/* a new dict: the step journal's lists taken (rt.journal.take()) and the
+ * step, in take()'s order, the journal left with new empty lists; NULL
+ * with an exception when it could not be read (nothing taken).  Once the
+ * dict is made the entries are in it: a failure to reset the journal
+ * (its lists are slots) is cleared, and some entries would come twice,
+ * none lost. */
+static PyObject *
+take_payload(PyObject *rt)
+{
+    PyObject *j = rt_part(rt, 1);
+    if (j == NULL) {
+        return NULL;
+    }
+    PyObject *v[6] = {NULL};
+    PyObject *const keys[6] = {s_cached, s_uncached, s_freed, s_dropped, s_reset, s_step};
+    PyObject *d = NULL;
+    if ((v[0] = slot_attr(j, s_cached, &sr_journal[2])) == NULL
+        || (v[1] = slot_attr(j, s_uncached, &sr_journal[0])) == NULL
+        || (v[2] = slot_attr(j, s_freed, &sr_journal[1])) == NULL
+        || (v[3] = PyObject_GetAttr(j, s_dropped)) == NULL
+        || (v[4] = PyObject_GetAttr(j, s_reset)) == NULL
+        || (v[5] = slot_attr(rt, s_step, &sr_step)) == NULL || (d = PyDict_New()) == NULL) {
+        goto done;
+    }
+    for (int i = 0; i < 6; i++) {
+        if (PyDict_SetItem(d, keys[i], v[i]) < 0) {
+            Py_CLEAR(d);
+            goto done;
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        PyObject *fresh = PyList_New(0);
+        int r = fresh == NULL ? -1
+                : i == 0      ? slots_set(&sr_journal[2], j, 0, fresh, &keys[0], 1)
+                : i == 1      ? slots_set(&sr_journal[0], j, 0, fresh, &keys[1], 1)
+                : i == 2      ? slots_set(&sr_journal[1], j, 0, fresh, &keys[2], 1)
+                              : PyObject_SetAttr(j, s_dropped, fresh);
+        Py_XDECREF(fresh);
+        if (r < 0) {
+            PyErr_Clear();
+        }
+    }
+    if (PyObject_SetAttr(j, s_reset, Py_False) < 0) {
+        PyErr_Clear();
+    }
+done:
+    for (int i = 0; i < 6; i++) {
+        Py_XDECREF(v[i]);
+    }
+    Py_DECREF(j);
+    return d;
+}
+
+/* 1 when the scheduler's step has more to do than its payload: what
+ * _schedule_ends does then (the still-cached filter, the delayed frees'
+ * sweep, a full audit due, the metrics refresh due); 0 not; -1 error */
+static int
+sched_busy(PyObject *rt, PyObject *ck, PyObject *payload)
+{
+    int u = item_truth(payload, s_uncached, 0);
+    int c = u <= 0 ? u : item_truth(payload, s_cached, 0);
+    if (c != 0) {
+        return c;
+    }
+    int t = attr_truth(ck, s_pending_release, 0);
+    if (t != 0) {
+        return t;
+    }
+    PyObject *cfg = PyObject_GetAttr(rt, s_config);
+    PyObject *every = cfg == NULL ? NULL : PyObject_GetAttr(cfg, s_audit_every);
+    Py_XDECREF(cfg);
+    if (every == NULL) {
+        return -1;
+    }
+    t = PyObject_IsTrue(every);
+    if (t > 0) { /* due when rt.step % audit_every == 0 (Python's modulo) */
+        PyObject *step = PyDict_GetItemWithError(payload, s_step); /* borrowed */
+        PyObject *m = step == NULL ? NULL : PyNumber_Remainder(step, every);
+        t = m == NULL ? -1 : PyObject_RichCompareBool(m, zero, Py_EQ);
+        Py_XDECREF(m);
+    }
+    Py_DECREF(every);
+    if (t != 0) {
+        return t;
+    }
+    PyObject *metrics = PyObject_GetAttr(rt, s_metrics);
+    if (metrics == NULL) {
+        return -1;
+    }
+    t = metrics != Py_None;
+    Py_DECREF(metrics);
+    if (t) { /* time.monotonic() >= rt.metrics_due (the same clock) */
+        PyObject *due = PyObject_GetAttr(rt, s_metrics_due);
+        double at = due == NULL ? -1.0 : PyFloat_AsDouble(due);
+        Py_XDECREF(due);
+        if (at == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+        t = clock_now() >= at;
+    }
+    return t;
+}
+
+/* K_SCHED: ``Scheduler.schedule()``, as the Python hook's _schedule runs
+ * it: the runtime's step moved on before vLLM's method (its allocator
+ * events are this step's), then the step journal taken into the
+ * SchedulerOutput's ``kvsan`` payload for the workers.  A step with more
+ * to do (see sched_busy) hands the payload to ``h->post(rt, scheduler,
+ * result, payload)`` (_schedule_ends), as does a payload it could not
+ * make or set (then None: Python takes the journal).  ``h->state`` is set
+ * by that Python half: (weak ref to the runtime, weak ref to the
+ * scheduler, its pool's checker); another runtime or scheduler, or
+ * arguments vLLM 0.32 does not pass (it passes one, positionally: whether
+ * to throttle prefills), go to the Python hook whole. */
+static PyObject *
+sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *st = h->state;
+    if (st == Py_None || nargs > 2 || kwnames != NULL /* (self[, throttle_prefills]) */
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != args[0]) {
+        return SLOW();
+    }
+    double t0 = now();
+    PyObject *step = slot_attr(rt, s_step, &sr_step);
+    PyObject *next = step == NULL ? NULL : PyNumber_Add(step, one);
+    Py_XDECREF(step);
+    if (next == NULL || slots_set(&sr_step, rt, 0, next, &s_step, 1) < 0) {
+        Py_XDECREF(next);
+        PyErr_Clear(); /* nothing changed: the Python hook's */
+        return SLOW();
+    }
+    Py_DECREF(next);
+    Py_INCREF(rt);
+    PyObject *ck = Py_NewRef(PyTuple_GET_ITEM(st, 2)), *sched = Py_NewRef(args[0]);
+    double own = now() - t0;
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) {
+        t0 = now();
+        PyObject *payload = take_payload(rt);
+        int rest = payload == NULL ? -1 : sched_busy(rt, ck, payload);
+        if (rest == 0 && PyObject_SetAttr(ret, s_kvsan, payload) < 0) {
+            rest = -1;
+        }
+        if (rest < 0) {
+            PyErr_Clear(); /* the Python half meets (and reports) the same */
+        }
+        own += now() - t0;
+        if (rest) {
+            PyObject *argv[4] = {rt, sched, ret, payload != NULL ? payload : Py_None};
+            PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
+            if (r == NULL) { /* a violation raised (raise / abort mode) */
+                Py_CLEAR(ret);
+            } else {
+                Py_DECREF(r);
+            }
+        }
+        Py_XDECREF(payload);
+    }
+    PyObject *et, *ev, *etb; /* vLLM's or a violation, set aside while the time is filed */
+    PyErr_Fetch(&et, &ev, &etb);
+    took(h, rt, own);
+    PyErr_Restore(et, ev, etb);
+    Py_DECREF(sched);
+    Py_DECREF(ck);
+    Py_DECREF(rt);
+    return ret;
+}
+
 /* A quiet step begun as kvsan.hooks.vllm_worker.begin_step begins it: the
  * scheduler's output hands the worker view nothing to apply but blocks it
  * cached (no request finished, preempted, new or resumed, no new block, no
@@ -1535,6 +1707,8 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             return step_call(h, rt, args, nargsf, kwnames);
         case K_GUARD:
             return guard_call(h, rt, args, nargsf, kwnames);
+        case K_SCHED:
+            return sched_call(h, rt, args, nargsf, kwnames);
         default:
             return SLOW();
         }
@@ -1868,6 +2042,10 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
         ok &= PyLong_CheckExact(PyTuple_GET_ITEM(value, 6))
               && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
     }
+    if (!ok && h->kind == K_SCHED && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 3) {
+        ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
+             && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
+    }
     if (!ok && (h->kind == K_STEP || h->kind == K_GUARD) && PyTuple_CheckExact(value)
         && PyTuple_GET_SIZE(value) == (h->kind == K_STEP ? 5 : 3)) {
         PyObject *third = PyTuple_GET_ITEM(value, 2);
@@ -1883,7 +2061,7 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
                         "state: None; for an END hook (weak ref, weak ref, dict, held owners "
                         "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, "
                         "list, dict, callable, callable); for a GUARD hook (weak ref, list, "
-                        "None)");
+                        "None); for a SCHED hook (weak ref, weak ref, checker)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
@@ -1934,7 +2112,8 @@ static PyGetSetDef hook_getset[] = {
      NULL},
     {"state", (getter)hook_get_state, (setter)hook_set_state,
      "END: the request-end check's state in C (see _request_ended); STEP, GUARD: the "
-     "worker's (see kvsan.hooks.vllm_worker._hand_to_native); or None", NULL},
+     "worker's (see kvsan.hooks.vllm_worker._hand_to_native); SCHED: the scheduler's "
+     "(see kvsan.hooks.vllm_allocator._hand_schedule_to_native); or None", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
@@ -2130,6 +2309,11 @@ PyInit__hookfast(void)
     INTERN(s_SAMPLE_BATCH_STEPS, "SAMPLE_BATCH_STEPS");
     INTERN(s_pending_seal, "pending_seal");
     INTERN(s_will_seal, "will_seal");
+    INTERN(s_pending_release, "pending_release");
+    INTERN(s_config, "config");
+    INTERN(s_audit_every, "audit_every");
+    INTERN(s_metrics, "metrics");
+    INTERN(s_metrics_due, "metrics_due");
     INTERN(s_pending_guard, "pending_guard");
     INTERN(s_device_s, "device_s");
     INTERN(s_input_batch, "input_batch");
@@ -2142,7 +2326,8 @@ PyInit__hookfast(void)
     INTERN(s__fast, "_fast");
     INTERN(s_guard_step, "guard_step");
     INTERN(s_guard_where, "_prepare_inputs.guard");
-    if ((zero = PyLong_FromLong(0)) == NULL || PyType_Ready(&HookType) < 0) {
+    if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL
+        || PyType_Ready(&HookType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&hookfast_module);
@@ -2159,7 +2344,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "END", K_END) < 0
         || PyModule_AddIntConstant(m, "SKIP", K_SKIP) < 0
         || PyModule_AddIntConstant(m, "STEP", K_STEP) < 0
-        || PyModule_AddIntConstant(m, "GUARD", K_GUARD) < 0) {
+        || PyModule_AddIntConstant(m, "GUARD", K_GUARD) < 0
+        || PyModule_AddIntConstant(m, "SCHED", K_SCHED) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -527,11 +527,24 @@ def _schedule(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     rt.step += 1
     ret = wrapped(*args, **kwargs)
+    _schedule_ends(rt, instance, ret, None)
+    return ret
+
+
+def _schedule_ends(rt, sched, ret, payload) -> None:
+    """After vLLM's ``schedule()``: the step's payload for the workers and
+    the step's own checks.  ``payload``: the step journal already taken by
+    the native SCHED hook (``kvsan._hookfast``'s sched_call), which calls
+    this for the steps with more to do than the payload; None: taken here.
+    Then the native hook gets this scheduler (see
+    :func:`_hand_schedule_to_native`)."""
     # the step context for the device side travels with the SchedulerOutput
     # (a plain dataclass: extra attributes survive pickling to the workers)
-    ck = _scheduler_checker(rt, instance)
+    ck = _scheduler_checker(rt, sched)
     try:
-        payload = ret.kvsan = dict(rt.journal.take(), step=rt.step)
+        if payload is None:
+            payload = dict(rt.journal.take(), step=rt.step)
+        ret.kvsan = payload
         if payload["uncached"] and payload["cached"] and ck is not None:
             payload["cached"] = still_cached(payload["cached"], ck.shadow.cached)
     except Exception as e:  # noqa: BLE001
@@ -554,7 +567,21 @@ def _schedule(wrapped, instance, args, kwargs):
             guard_failed(rt, "schedule", e)  # a violation (raise / abort modes) propagates
         finally:
             rt.overhead_s += _perf_counter() - t0
-    return ret
+        _hand_schedule_to_native(rt, sched, ck)
+
+
+def _hand_schedule_to_native(rt, sched, ck) -> None:
+    """From now on the native SCHED hook on ``sched``'s class (when there
+    is one) runs this scheduler's ``schedule()`` for ``rt`` itself, and
+    calls :func:`_schedule_ends` only for the steps with more to do."""
+    hook = getattr(type(sched), "schedule", None)
+    if type(hook) is _hooks._HOOK_TYPE:
+        st = hook.state
+        if st is None or st[0]() is not rt or st[1]() is not sched or st[2] is not ck:
+            try:
+                hook.state = (weakref.ref(rt), weakref.ref(sched), ck)
+            except TypeError:  # not weakly referenceable: the Python hook, always
+                pass
 
 
 def still_cached(cached: list[int], flags) -> list[int]:
@@ -805,7 +832,7 @@ def targets() -> list[Target]:
                owner=_REQUEST),
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
         Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
-        Target(_SCHED, "Scheduler.schedule", _schedule),
+        Target(_SCHED, "Scheduler.schedule", _schedule, fast=("SCHED", _schedule_ends)),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
         Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
         Target(_SCHED, "Scheduler._preempt_request", _preempt_request),
