@@ -735,6 +735,20 @@ slow_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     return ret;
 }
 
+/* the hook's Python second half, ``h->post(*argv)``; its result dropped.
+ * It fails only with a violation raised (raise / abort mode): then the
+ * engine's result is dropped too and the exception propagates. */
+static void
+post(Hook *h, PyObject *const *argv, size_t n, PyObject **ret)
+{
+    PyObject *r = PyObject_Vectorcall(h->post, argv, n, NULL);
+    if (r == NULL) {
+        Py_CLEAR(*ret);
+    } else {
+        Py_DECREF(r);
+    }
+}
+
 #define SLOW() slow_call(h, rt, args, nargsf, kwnames)
 
 /* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
@@ -859,12 +873,7 @@ end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *
             took(h, rt, dt);
         } else {
             PyObject *pargv[2] = {sched, request};
-            PyObject *r = PyObject_Vectorcall(h->post, pargv, 2, NULL);
-            if (r == NULL) { /* a violation raised (raise / abort mode) */
-                Py_CLEAR(ret);
-            } else {
-                Py_DECREF(r);
-            }
+            post(h, pargv, 2, &ret);
         }
     }
     Py_DECREF(request);
@@ -1307,12 +1316,7 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
         own += now() - t0;
         if (rest) {
             PyObject *argv[4] = {rt, sched, ret, payload != NULL ? payload : Py_None};
-            PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
-            if (r == NULL) { /* a violation raised (raise / abort mode) */
-                Py_CLEAR(ret);
-            } else {
-                Py_DECREF(r);
-            }
+            post(h, argv, 4, &ret);
         }
         Py_XDECREF(payload);
     }
@@ -1570,12 +1574,7 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         own += now() - t0;
         if (rest) {
             PyObject *argv[4] = {rt, runner, dc, ret};
-            PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
-            if (r == NULL) { /* a violation raised (raise / abort mode) */
-                Py_CLEAR(ret);
-            } else {
-                Py_DECREF(r);
-            }
+            post(h, argv, 4, &ret);
         }
     }
 filed:;
@@ -1654,12 +1653,7 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
         }
     } else if (got != NULL) {
         PyObject *argv[4] = {rt, runner, counts, got};
-        PyObject *r = PyObject_Vectorcall(h->post, argv, 4, NULL);
-        if (r == NULL) { /* a violation raised (raise / abort mode) */
-            Py_CLEAR(ret);
-        } else {
-            Py_DECREF(r);
-        }
+        post(h, argv, 4, &ret);
     }
     Py_XDECREF(got);
     Py_XDECREF(dc);
