@@ -126,7 +126,6 @@ def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
     from vllm.v1.request import RequestStatus
 
     rt.clear()
-    rt.journal.take()
     from benchmarks.sched import make_scheduler
 
     sched = make_scheduler(8, POOL, async_scheduling=True, max_num_batched_tokens=256)

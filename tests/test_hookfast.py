@@ -74,8 +74,7 @@ def test_double_free_through_each_call_form(rt):
 
 def test_clean_traffic_reports_nothing_and_files_the_journal(rt):
     """A prefix shared by two requests, both finished: no violation; the
-    worker journal lists what was cached and freed."""
-    rt.journal.take()
+    worker journal (the pool's) lists what was cached and freed."""
     m = make_manager(16)
     prefix = list(range(32))
     a, b = make_request(prefix + [1], "A"), make_request(prefix + [2], "B")
@@ -85,10 +84,10 @@ def test_clean_traffic_reports_nothing_and_files_the_journal(rt):
     assert m.allocate_slots(b, b.num_tokens - hit, hit, computed) is not None
     m.free(a)
     m.free(b)
-    journal = rt.journal.take()
+    ck = rt.checkers[m.block_pool]
+    journal = ck.journal.take()
     assert kinds_of(rt) == []
     assert len(journal["cached"]) == 2 and journal["uncached"] == []
-    ck = rt.checkers[m.block_pool]
     assert ck.counters["shared"] == 2 and ck.counters["released"] == 6
 
 
@@ -218,16 +217,16 @@ def test_evict_drops_cache_keys_in_one_pass(rt):
     sh = ck.shadow
     assert sh.n_cached_free == 3 and sh.cached[a_blocks[0]] and sh.cached[b_blocks[0]]
     never = next(i for i in range(1, 16) if not sh.cached[i] and sh.own0[i] is None)
-    rt.journal.take()
+    ck.journal.take()
     ids = {a_blocks[0], a_blocks[1], b_blocks[0], never}
     m.block_pool.evict_blocks(ids)
-    assert sorted(rt.journal.take()["uncached"]) == sorted(ids)
+    assert sorted(ck.journal.take()["uncached"]) == sorted(ids)
     assert not any(sh.cached[i] for i in ids) and all(sh.hashes[i] is None for i in ids)
     assert sh.own0[b_blocks[0]] == "B" and sh.n_cached_free == 1  # A's third block only
     assert kinds_of(rt) == []
     last = len(m.block_pool.blocks) - 1
     m.block_pool.evict_blocks({-1})  # vLLM evicts blocks[-1]; no id is journaled
-    assert rt.journal.take()["uncached"] == [] and not sh.cached[last]
+    assert ck.journal.take()["uncached"] == [] and not sh.cached[last]
     m.free(b)
     assert kinds_of(rt) == [] and sh.stats()["live_owned"] == 0
 
@@ -258,3 +257,21 @@ def test_worker_side_failure_is_counted_not_raised(rt):
     with pytest.raises(KVSanViolation):
         vllm_worker._dguard(rt, "execute_model.seal", violation)
     assert rt.reporter.internal_errors == errors + 1
+
+
+def test_each_pool_files_its_own_journal(rt):
+    """Two pools in one process (two in-process engines, or managers used
+    without a scheduler): what one pool's allocator does goes to its own
+    step journal only, so a scheduler ships its own pool's facts to its
+    workers, never another pool's block ids (one journal per process made
+    the other engine's worker view apply them: false overwrite reports)."""
+    m1, m2 = make_manager(16), make_manager(16)
+    j1, j2 = (rt.checkers[m.block_pool].journal for m in (m1, m2))
+    assert j1 is not j2
+    a = make_request(list(range(32)) + [1], "A")
+    schedule(m1, a)
+    m1.free(a)
+    mine, other = j1.take(), j2.take()
+    assert len(mine["cached"]) == 2 and mine["freed"]
+    assert other == {"cached": [], "uncached": [], "freed": [], "dropped": [], "reset": False}
+    assert kinds_of(rt) == []

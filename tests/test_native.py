@@ -70,7 +70,6 @@ def _drive(rt, seed: int, faults: bool) -> dict:
     rng = random.Random(seed)
     rt.clear()
     errors0 = rt.reporter.internal_errors
-    rt.journal.take()
     m = make_manager(32)
     pool = m.block_pool
     ck = rt.checkers[pool]
@@ -141,12 +140,12 @@ def _drive(rt, seed: int, faults: bool) -> dict:
                 trace.append((i, "fault", kind, blk.block_id))
         except Exception as e:  # noqa: BLE001 - vLLM's own asserts after a fault
             trace.append((i, "engine raised", type(e).__name__))
-        journal.append(rt.journal.take())
+        journal.append(ck.journal.take())
     if holder is not None:
         rt.owner_ctx.append((holder[0], "free"))
         pool.free_blocks(holder[1])
         rt.owner_ctx.pop()
-        journal.append(rt.journal.take())
+        journal.append(ck.journal.take())
     refs = [b.ref_cnt for b in pool.blocks]
     linked = [b.prev_free_block is not None for b in pool.blocks]
     audit = ck.audit(refs, linked, set(live))

@@ -402,7 +402,7 @@ def test_a_sliding_window_dropping_blocks_is_told_to_the_worker(rt):
     from vllm_objects import BLOCK, make_request, make_sliding_manager
 
     m = make_sliding_manager(12, caching=False)
-    rt.journal.take()
+    journal = rt.checkers[m.block_pool].journal  # the pool's (its scheduler ships it)
     found = {"told": [], "not told": []}
     views = {name: DeviceChecker(12, BLOCK, emit=found[name].append) for name in found}
     a = make_request([(5 * i) % 300 + 1 for i in range(4 * BLOCK)], "W-A")
@@ -414,7 +414,7 @@ def test_a_sliding_window_dropping_blocks_is_told_to_the_worker(rt):
         a.append_output_token_ids(7)
         assert m.allocate_slots(a, 1) is not None
         a.num_computed_tokens += 1
-    dropped = rt.journal.take()["dropped"]
+    dropped = journal.take()["dropped"]
     assert dropped and all(rid == "W-A" for rid, _ in dropped)
     from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
 
@@ -447,7 +447,7 @@ def test_dropped_blocks_journaled_the_same_natively_and_in_python(rt):
 
     def run():
         m = make_sliding_manager(40)
-        rt.journal.take()
+        journal = rt.checkers[m.block_pool].journal
         reqs = [make_request([(5 * i + k) % 300 + 1 for i in range(3 * BLOCK + 7)], f"J{k}")
                 for k in range(3)]
         dropped = []
@@ -459,7 +459,7 @@ def test_dropped_blocks_journaled_the_same_natively_and_in_python(rt):
                 r.append_output_token_ids(9)
                 assert m.allocate_slots(r, 1) is not None
                 r.num_computed_tokens += 1
-            dropped.append(rt.journal.take()["dropped"])
+            dropped.append(journal.take()["dropped"])
         for r in reqs:
             m.free(r)
         return dropped
@@ -495,7 +495,8 @@ def test_a_failure_filing_dropped_blocks_is_counted_not_raised(rt, native):
         r = make_request([(7 * i) % 300 + 1 for i in range(3 * BLOCK + 3)], f"X-{native}")
         assert m.allocate_slots(r, r.num_tokens) is not None
         r.num_computed_tokens = r.num_tokens
-        rt.journal.dropped = Refusing()
+        journal = rt.checkers[m.block_pool].journal
+        journal.dropped = Refusing()
         for _ in range(BLOCK):
             r.append_output_token_ids(9)
             assert m.allocate_slots(r, 1) is not None
@@ -505,5 +506,4 @@ def test_a_failure_filing_dropped_blocks_is_counted_not_raised(rt, native):
         assert rt.reporter.internal_errors > errors
         assert "remove_blocks" in rt.reporter._error_sites
     finally:
-        rt.journal.take()
         hooks.use_native(rt.config.native)

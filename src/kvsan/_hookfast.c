@@ -349,7 +349,7 @@ failed(PyObject *rt, PyObject *where)
  * modified (its version tag), as CPython's own member descriptor reads it;
  * anything else (no slot, an unset one) through PyObject_GetAttr
  * (kvsan/_slots.h: one table per attribute here). */
-static SlotTable sr_step, sr_fast, sr_journal[3]; /* journal: uncached, freed, cached */
+static SlotTable sr_step, sr_fast, sr_journal_of, sr_journal[3]; /* journal: uncached, freed, cached */
 
 /* new reference to ``obj.<name>``, or NULL with an exception */
 static inline PyObject *
@@ -398,26 +398,23 @@ lookup(PyObject *rt, PyObject *pool, PyObject **ck, PyObject **fast)
     return 1;
 }
 
-/* one-entry cache of the runtime's ``owner_ctx`` list and step ``journal``,
- * read on every event: a Runtime never rebinds either (kvsan.runtime) */
-static PyObject *r_rt = NULL, *r_ctx = NULL, *r_journal = NULL;
+/* one-entry cache of the runtime's ``owner_ctx`` list, read on every event:
+ * a Runtime never rebinds it (kvsan.runtime) */
+static PyObject *r_rt = NULL, *r_ctx = NULL;
 
-/* rt.owner_ctx (``which`` 0) or rt.journal (1), a new reference */
+/* rt.owner_ctx, a new reference */
 static PyObject *
-rt_part(PyObject *rt, int which)
+rt_ctx(PyObject *rt)
 {
     if (r_rt != rt) {
         PyObject *ctx = PyObject_GetAttr(rt, s_owner_ctx);
-        PyObject *journal = ctx == NULL ? NULL : PyObject_GetAttr(rt, s_journal);
-        if (journal == NULL) {
-            Py_XDECREF(ctx);
+        if (ctx == NULL) {
             return NULL;
         }
         Py_XSETREF(r_ctx, ctx);
-        Py_XSETREF(r_journal, journal);
         Py_XSETREF(r_rt, Py_NewRef(rt));
     }
-    return Py_NewRef(which ? r_journal : r_ctx);
+    return Py_NewRef(r_ctx);
 }
 
 /* the site and owner of the engine call being observed, as new references
@@ -425,7 +422,7 @@ rt_part(PyObject *rt, int which)
 static int
 context(PyObject *rt, PyObject **site, PyObject **owner)
 {
-    PyObject *ctx = rt_part(rt, 0);
+    PyObject *ctx = rt_ctx(rt);
     if (ctx == NULL) {
         return -1;
     }
@@ -460,11 +457,19 @@ context(PyObject *rt, PyObject **site, PyObject **owner)
     return 0;
 }
 
-/* new reference: rt.journal.<name>, the step journal's list ``name`` */
+/* new reference: ck.journal, the step journal of the checker's pool (a
+ * slot of AllocatorChecker: its scheduler ships it to its workers) */
 static PyObject *
-journal_list(PyObject *rt, PyObject *name)
+pool_journal(PyObject *ck)
 {
-    PyObject *journal = rt_part(rt, 1);
+    return slot_attr(ck, s_journal, &sr_journal_of);
+}
+
+/* new reference: ck.journal.<name>, the step journal's list ``name`` */
+static PyObject *
+journal_list(PyObject *ck, PyObject *name)
+{
+    PyObject *journal = pool_journal(ck);
     if (journal == NULL) {
         return NULL;
     }
@@ -477,14 +482,14 @@ journal_list(PyObject *rt, PyObject *name)
     return list;
 }
 
-/* rt.journal.<name>.extend(items) when items is a non-empty list */
+/* ck.journal.<name>.extend(items) when items is a non-empty list */
 static int
-journal_extend(PyObject *rt, PyObject *name, PyObject *items)
+journal_extend(PyObject *ck, PyObject *name, PyObject *items)
 {
     if (!PyList_Check(items) || PyList_GET_SIZE(items) == 0) {
         return 0;
     }
-    PyObject *list = journal_list(rt, name);
+    PyObject *list = journal_list(ck, name);
     if (list == NULL) {
         return -1;
     }
@@ -529,8 +534,9 @@ snap_as_list(PyObject **snap, const long long *csnap, Py_ssize_t k)
  * functions where it is _shadowfast's own table, else its Python methods
  * (tests swap in others). */
 static int
-apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject **snap,
-            const long long *csnap, Py_ssize_t csnap_n, PyObject *owner, PyObject *site)
+apply_event(int kind, PyObject *ck, PyObject *fast, PyObject *rt, PyObject *blocks,
+            PyObject **snap, const long long *csnap, Py_ssize_t csnap_n, PyObject *owner,
+            PyObject *site)
 {
     static PyObject **const journal_of[] = {&s_uncached, NULL, &s_freed, &s_cached};
     static PyObject **const method_of[] = {&s_allocate, &s_share, &s_release, &s_cache};
@@ -543,7 +549,7 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
                  && (kind != K_RELEASE
                      || (csnap != NULL && PyList_GET_SIZE(blocks) == csnap_n));
     if (direct && journal_of[kind] != NULL) {
-        if ((dest = journal_list(rt, *journal_of[kind])) == NULL) {
+        if ((dest = journal_list(ck, *journal_of[kind])) == NULL) {
             Py_XDECREF(step);
             return -1;
         }
@@ -590,7 +596,7 @@ apply_event(int kind, PyObject *fast, PyObject *rt, PyObject *blocks, PyObject *
             }
             ids = PyTuple_GET_ITEM(res, at);
         }
-        r = journal_extend(rt, *journal_of[kind], ids);
+        r = journal_extend(ck, *journal_of[kind], ids);
     }
     Py_DECREF(res);
     return r < 0 ? -1 : clean;
@@ -1057,6 +1063,20 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         h->calls++;
         return PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     }
+    /* the checker of the manager's pool: its journal takes what is removed */
+    PyObject *pool = PyObject_GetAttr(args[0], s_block_pool), *ck = NULL, *fast = NULL;
+    int found = pool == NULL ? -1 : lookup(rt, pool, &ck, &fast);
+    Py_XDECREF(pool);
+    Py_XDECREF(fast);
+    if (found <= 0) { /* no native table or no checker (or an error): the Python hook */
+        for (Py_ssize_t j = 0; j < m; j++) {
+            Py_DECREF(cand[j]);
+        }
+        PyMem_Free(cand);
+        Py_DECREF(blocks);
+        PyErr_Clear();
+        return SLOW();
+    }
     Py_INCREF(rt); /* borrowed from the runtime module, which the call may change */
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) { /* removed: the candidates no longer at their index */
@@ -1077,7 +1097,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             if (one != NULL) {
                 PyList_SET_ITEM(one, 0, entry);
                 entry = NULL;
-                ok = journal_extend(rt, s_dropped, one) == 0;
+                ok = journal_extend(ck, s_dropped, one) == 0;
                 Py_DECREF(one);
             } else {
                 ok = 0;
@@ -1099,6 +1119,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     }
     PyMem_Free(cand);
     Py_DECREF(blocks);
+    Py_DECREF(ck);
     Py_DECREF(rt);
     return ret;
 }
@@ -1165,16 +1186,16 @@ last_checker(PyObject *last, PyObject *runner)
 
 /* ---- the scheduler's step (kvsan.hooks.vllm_allocator._schedule) ---- */
 
-/* a new dict: the step journal's lists taken (rt.journal.take()) and the
+/* a new dict: the pool's step journal's lists taken (ck.journal.take()) and the
  * step, in take()'s order, the journal left with new empty lists; NULL
  * with an exception when it could not be read (nothing taken).  Once the
  * dict is made the entries are in it: a failure to reset the journal
  * (its lists are slots) is cleared, and some entries would come twice,
  * none lost. */
 static PyObject *
-take_payload(PyObject *rt)
+take_payload(PyObject *rt, PyObject *ck)
 {
-    PyObject *j = rt_part(rt, 1);
+    PyObject *j = pool_journal(ck);
     if (j == NULL) {
         return NULL;
     }
@@ -1305,7 +1326,7 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) {
         t0 = now();
-        PyObject *payload = take_payload(rt);
+        PyObject *payload = take_payload(rt, ck);
         int rest = payload == NULL ? -1 : sched_busy(rt, ck, payload);
         if (rest == 0 && PyObject_SetAttr(ret, s_kvsan, payload) < 0) {
             rest = -1;
@@ -1808,13 +1829,14 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
     case K_ALLOCATE:
         blocks = ret;
         if (owner != Py_None && PyList_CheckExact(ret)) {
-            clean = apply_event(K_ALLOCATE, fast, rt, ret, NULL, NULL, 0, owner, site);
+            clean = apply_event(K_ALLOCATE, ck, fast, rt, ret, NULL, NULL, 0, owner, site);
         }
         break;
     case K_TOUCH:
     case K_RELEASE:
         if (owner != Py_None) {
-            clean = apply_event(h->kind, fast, rt, blocks, &snap, csnap, csnap_n, owner, site);
+            clean = apply_event(h->kind, ck, fast, rt, blocks, &snap, csnap, csnap_n, owner,
+                                    site);
         }
         break;
     case K_CACHE: {
@@ -1828,7 +1850,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             goto fail;
         }
         if (PyList_CheckExact(sliced)) {
-            clean = apply_event(K_CACHE, fast, rt, sliced, NULL, NULL, 0, NULL, NULL);
+            clean = apply_event(K_CACHE, ck, fast, rt, sliced, NULL, NULL, 0, NULL, NULL);
         }
         break;
     }
@@ -2186,7 +2208,6 @@ hookfast_enable(PyObject *self, PyObject *on)
     Py_CLEAR(c_ck);
     Py_CLEAR(r_rt);
     Py_CLEAR(r_ctx);
-    Py_CLEAR(r_journal);
     return PyBool_FromLong(enabled);
 }
 

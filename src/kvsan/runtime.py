@@ -26,34 +26,11 @@ def detect_role() -> str:
     return "frontend"
 
 
-class StepJournal:
-    """Allocator facts the device side needs and cannot see itself, collected
-    between two ``schedule()`` calls and shipped on the SchedulerOutput."""
-
-    __slots__ = ("cached", "uncached", "freed", "dropped", "reset")
-
-    def __init__(self):
-        self.cached: list[int] = []  # full blocks entering the prefix cache
-        self.uncached: list[int] = []  # cache entries dropped (evict, move, reuse)
-        self.freed: list[int] = []  # blocks that left every owner, uncached
-        #: (request, blocks) a running request stopped holding (its
-        #: attention window moved past them), in the group the worker follows
-        self.dropped: list[tuple[str, list[int]]] = []
-        self.reset = False  # reset_prefix_cache succeeded
-
-    def take(self) -> dict:
-        out = {"cached": self.cached, "uncached": self.uncached,
-               "freed": self.freed, "dropped": self.dropped, "reset": self.reset}
-        self.cached, self.uncached, self.freed, self.dropped = [], [], [], []
-        self.reset = False
-        return out
-
-
 class Runtime:
     #: ``step`` is a slot: kvsan's native hooks read it on every allocator
     #: event, at a fixed offset (everything else stays in ``__dict__``).
-    #: ``owner_ctx`` and ``journal`` are never rebound: the native hooks
-    #: keep them per runtime.
+    #: ``owner_ctx`` is never rebound: the native hooks keep it per runtime.
+    #: (The step journal is each pool's: ``AllocatorChecker.journal``.)
     __slots__ = ("step", "__dict__", "__weakref__")
 
     def __init__(self, config: Config, role: str | None = None, metrics: bool = True):
@@ -77,8 +54,6 @@ class Runtime:
         self.hooks_installed: list[str] = []
         self.hooks_missing: list[str] = []
         self.idle_audited = False
-        #: what the allocator did to cache state this step, for the workers
-        self.journal = StepJournal()
         #: seconds spent in kvsan's checks (exported as kvsan_overhead_seconds_total)
         self.overhead_s = 0.0
         #: monotonic time of the next per-step metrics refresh

@@ -28,6 +28,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .. import kinds
+from ..journal import StepJournal
 from ..report import Violation
 from ..shadow import ShadowTable
 
@@ -37,9 +38,10 @@ _NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:")
 
 
 class AllocatorChecker:
-    #: ``fast`` is a slot: an engine adapter's native hooks read it on every
-    #: event, at a fixed offset (everything else stays in ``__dict__``)
-    __slots__ = ("fast", "__dict__", "__weakref__")
+    #: ``fast`` and ``journal`` are slots: an engine adapter's native hooks
+    #: read them on every event, at a fixed offset (everything else stays in
+    #: ``__dict__``)
+    __slots__ = ("fast", "journal", "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -50,6 +52,10 @@ class AllocatorChecker:
         pool: str = "gpu",
     ):
         self.shadow = ShadowTable(num_blocks, null_blocks)
+        #: what this pool's allocator did to cache state since its
+        #: scheduler's last step, for that scheduler's workers (filed by the
+        #: engine adapter; never rebound: its native hooks keep it)
+        self.journal = StepJournal()
         self.emit = emit
         self.step = step
         self.pool = pool

@@ -23,6 +23,7 @@ from time import perf_counter as _perf_counter
 from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
+from ..journal import StepJournal
 from . import Target, bind_args, call_context, call_site, guard_failed, owner_from_frames
 
 SUPPORTED = ("0.32",)
@@ -119,7 +120,7 @@ def _after_allocate(rt, ck, blocks, site: str, owner: str | None) -> None:
         ck.shadow.nonrequest.add(owner)
     evicted = _guard(rt, "get_new_blocks", _allocated, ck, blocks, owner, site, rt.step)
     if evicted:
-        rt.journal.uncached.extend(evicted)
+        ck.journal.uncached.extend(evicted)
 
 
 def _allocated(ck, blocks, owner: str, site: str, step: int):
@@ -229,7 +230,7 @@ def _make_release(arg_name: str):
             freed = _guard(rt, arg_name, _released, ck, blocks, snap, owner, site, rt.step)
             if freed is not None:
                 if freed:
-                    rt.journal.freed.extend(freed)
+                    ck.journal.freed.extend(freed)
                 return ret
         _after_release(rt, ck, instance, blocks, snap, site, owner, pre, arg_name)
         return ret
@@ -248,14 +249,14 @@ def _after_release(rt, ck, pool, blocks: list, snap, site: str, owner: str | Non
     freed = [b.block_id for b in blocks if b.ref_cnt == 0
              and b.block_hash is None and b.block_id in pre]
     if freed:
-        rt.journal.freed.extend(freed)
+        ck.journal.freed.extend(freed)
         cached = ck.shadow.cached
         stale = [b for b in freed if cached[b]]
         if stale:
             # the engine dropped their cache entry while they were owned
             # without going through a hooked call (Mamba "align" drops a
             # transient checkpoint's hash directly): they leave as free
-            rt.journal.uncached.extend(stale)
+            ck.journal.uncached.extend(stale)
             _guard(rt, "uncached", ck.on_uncached, stale)
     _guard(rt, where, ck.on_release, _release_obs(pool, blocks, pre), owner, site)
 
@@ -270,7 +271,7 @@ def _cache_full_blocks(wrapped, instance, args, kwargs):
             fast = ck.fast
             got = fast.cache(blocks) if fast is not None and type(blocks) is list else None
             if got is not None:
-                rt.journal.cached.extend(got[0])
+                ck.journal.cached.extend(got[0])
                 return
             _cached_slow(rt, ck, blocks)
         _guard(rt, "cache_full_blocks", note)
@@ -281,7 +282,7 @@ def _cached_slow(rt, ck, blocks) -> None:
     """Blocks given a cache key, in Python (also the native hook's fallback)."""
     items = [(b.block_id, b.block_hash) for b in blocks
              if b.block_hash is not None and not b.is_null]
-    rt.journal.cached.extend(b for b, _ in items)
+    ck.journal.cached.extend(b for b, _ in items)
     ck.on_cached(items)
 
 
@@ -307,8 +308,8 @@ def _move_block_hashes(wrapped, instance, args, kwargs):
         dst = args[1] if len(args) > 1 else kwargs["dst_block"]
 
         def note():
-            rt.journal.uncached.append(src.block_id)
-            rt.journal.cached.append(dst.block_id)
+            ck.journal.uncached.append(src.block_id)
+            ck.journal.cached.append(dst.block_id)
             ck.on_uncached([src.block_id])
             ck.on_cached([(dst.block_id, dst.block_hash)])
         _guard(rt, "move_block_hashes", note)
@@ -329,7 +330,7 @@ def _evict_blocks(wrapped, instance, args, kwargs):
             dropped = [i for i in ids if 0 <= i < len(instance.blocks)
                        and instance.blocks[i].block_hash is None]
             _guard(rt, "evict_blocks", ck.on_uncached, dropped)
-        rt.journal.uncached.extend(dropped)
+        ck.journal.uncached.extend(dropped)
     return ret
 
 
@@ -337,7 +338,7 @@ def _reset_prefix_cache(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt, ck = _checker(instance)
     if ck is not None and ret:
-        rt.journal.reset = True
+        ck.journal.reset = True
         _guard(rt, "reset_prefix_cache", ck.on_uncache_all)
     return ret
 
@@ -543,7 +544,8 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
     ck = _scheduler_checker(rt, sched)
     try:
         if payload is None:
-            payload = dict(rt.journal.take(), step=rt.step)
+            payload = dict(ck.journal.take() if ck is not None else StepJournal().take(),
+                           step=rt.step)
         ret.kvsan = payload
         if payload["uncached"] and payload["cached"] and ck is not None:
             payload["cached"] = still_cached(payload["cached"], ck.shadow.cached)
@@ -765,7 +767,7 @@ def _remove_blocks_in_range(wrapped, instance, args, kwargs):
     got = _guard(rt, "remove_blocks", _window_candidates, instance, *args)
     ret = wrapped(*args, **kwargs)
     if got:
-        _guard(rt, "remove_blocks", _journal_dropped, rt, args[0], *got)
+        _guard(rt, "remove_blocks", _journal_dropped, instance.block_pool, args[0], *got)
     return ret
 
 
@@ -788,10 +790,11 @@ def _window_candidates(manager, rid, first: int, last: int):
     return (blocks, cand) if cand else None
 
 
-def _journal_dropped(rt, rid, blocks: list, cand: list) -> None:
+def _journal_dropped(pool, rid, blocks: list, cand: list) -> None:
     gone = [b.block_id for i, b in cand if i < len(blocks) and blocks[i] is not b]
-    if gone:
-        rt.journal.dropped.append((rid, gone))
+    ck = _checker(pool)[1] if gone else None
+    if ck is not None:  # (the pool's journal: its scheduler ships it)
+        ck.journal.dropped.append((rid, gone))
 
 
 def targets() -> list[Target]:
