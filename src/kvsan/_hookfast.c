@@ -17,7 +17,11 @@
  * sixth, END, on ``Scheduler._free_request``, files a clean request end
  * (end_call).  A seventh, SKIP, on
  * ``SingleTypeKVCacheManager._remove_blocks_in_range``, lets through the
- * calls that remove nothing (skip_call).
+ * calls that remove nothing (skip_call).  On the scheduler's step, SCHED,
+ * on ``Scheduler.schedule``, ships the pool's step journal to the workers
+ * (sched_call); on the worker's, STEP and GUARD, on the V1 runner's
+ * ``execute_model`` and ``_prepare_inputs``, begin the quiet steps and
+ * guard the common ones (step_call, guard_call).
  *
  * It is only a faster route to the same results:
  *  - anything it does not handle (kvsan off, a pool without a native table,
