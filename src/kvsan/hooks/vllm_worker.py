@@ -370,13 +370,6 @@ def _scrub(runner, dc: DeviceChecker) -> None:
     dc.verify_step(_layers(runner))
 
 
-#: what :func:`_hand_to_native` hands each native hook after its own state
-#: (weak ref to the runtime, the one-entry checker cache): the STEP hook
-#: the unsealed steps and the two Python calls it makes
-_NATIVE_STATE = (("execute_model", (_unsealed, _seal_left, _native_scrub)),
-                 ("_prepare_inputs", (None,)))
-
-
 def _hand_to_native(rt, cls) -> None:
     """From now on the native STEP and GUARD hooks on ``cls`` (when there
     are) begin quiet steps and guard the common ones themselves
@@ -385,7 +378,11 @@ def _hand_to_native(rt, cls) -> None:
     step the Python hook began): a class attribute and a type check per
     hook when they are already handed."""
     hook_type = _hooks._HOOK_TYPE
-    for attr, rest in _NATIVE_STATE:
+    # after its own state (weak ref to the runtime, the one-entry checker
+    # cache): the STEP hook the unsealed steps and the two Python calls it
+    # makes (read here, not at import: benchmarks.workercost times them)
+    for attr, rest in (("execute_model", (_unsealed, _seal_left, _native_scrub)),
+                       ("_prepare_inputs", (None,))):
         hook = getattr(cls, attr, None)
         if type(hook) is hook_type:
             st = hook.state
