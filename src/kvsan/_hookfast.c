@@ -325,6 +325,32 @@ took(Hook *h, PyObject *rt, double dt)
     }
 }
 
+/* a worker-side call's own time: also the runtime's ``device_s`` */
+static void
+took_device(Hook *h, PyObject *rt, double dt)
+{
+    took(h, rt, dt); /* (add_overhead made ov_ref this runtime's) */
+    if (dt > 0.0 && ov_ref != NULL && PyWeakref_GET_OBJECT(ov_ref) == rt) {
+        dv_pending += dt;
+    }
+}
+
+/* took() (``device``: took_device()) with the pending exception, if any,
+ * set aside while the time is filed: vLLM's, a violation or a failure of
+ * kvsan's own, which the caller then propagates or hands on */
+static void
+took_aside(Hook *h, PyObject *rt, double dt, int device)
+{
+    PyObject *et, *ev, *etb;
+    PyErr_Fetch(&et, &ev, &etb);
+    if (device) {
+        took_device(h, rt, dt);
+    } else {
+        took(h, rt, dt);
+    }
+    PyErr_Restore(et, ev, etb);
+}
+
 /* the pending exception went to error_fn: 0 handled (counted), -1 raised */
 static int
 failed(PyObject *rt, PyObject *where)
@@ -469,6 +495,25 @@ pool_journal(PyObject *ck)
     return slot_attr(ck, s_journal, &sr_journal_of);
 }
 
+/* the slot table of the step journal's list ``name``, or NULL (read
+ * through PyObject_GetAttr) */
+static SlotTable *
+journal_slots(PyObject *name)
+{
+    return name == s_uncached ? &sr_journal[0]
+           : name == s_freed  ? &sr_journal[1]
+           : name == s_cached ? &sr_journal[2]
+                              : NULL;
+}
+
+/* new reference: journal.<name>, one of the step journal's lists */
+static PyObject *
+journal_get(PyObject *journal, PyObject *name)
+{
+    SlotTable *c = journal_slots(name);
+    return c != NULL ? slot_attr(journal, name, c) : PyObject_GetAttr(journal, name);
+}
+
 /* new reference: ck.journal.<name>, the step journal's list ``name`` */
 static PyObject *
 journal_list(PyObject *ck, PyObject *name)
@@ -477,11 +522,7 @@ journal_list(PyObject *ck, PyObject *name)
     if (journal == NULL) {
         return NULL;
     }
-    SlotTable *c = name == s_uncached ? &sr_journal[0]
-                   : name == s_freed  ? &sr_journal[1]
-                   : name == s_cached ? &sr_journal[2]
-                                      : NULL;
-    PyObject *list = c != NULL ? slot_attr(journal, name, c) : PyObject_GetAttr(journal, name);
+    PyObject *list = journal_get(journal, name);
     Py_DECREF(journal);
     return list;
 }
@@ -991,6 +1032,18 @@ decline:
     return SLOW();
 }
 
+/* skip_call's candidates (m new references), their array and the
+ * request's block list, let go */
+static void
+drop_candidates(PyObject **cand, Py_ssize_t m, PyObject *blocks)
+{
+    for (Py_ssize_t j = 0; j < m; j++) {
+        Py_DECREF(cand[j]);
+    }
+    PyMem_Free(cand);
+    Py_DECREF(blocks);
+}
+
 /* K_SKIP: ``SingleTypeKVCacheManager._remove_blocks_in_range(request_id,
  * first, last)``, which vLLM calls for every running request each step once
  * its attention window has passed a block.  What it removes from a request
@@ -1049,11 +1102,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
         Py_XDECREF(isnull);
         if (t != 0) {
             if (t < 0) { /* not vLLM's blocks: the Python hook, whole */
-                for (Py_ssize_t j = 0; j < m; j++) {
-                    Py_DECREF(cand[j]);
-                }
-                PyMem_Free(cand);
-                Py_DECREF(blocks);
+                drop_candidates(cand, m, blocks);
                 PyErr_Clear();
                 return SLOW();
             }
@@ -1073,11 +1122,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     Py_XDECREF(pool);
     Py_XDECREF(fast);
     if (found <= 0) { /* no native table or no checker (or an error): the Python hook */
-        for (Py_ssize_t j = 0; j < m; j++) {
-            Py_DECREF(cand[j]);
-        }
-        PyMem_Free(cand);
-        Py_DECREF(blocks);
+        drop_candidates(cand, m, blocks);
         PyErr_Clear();
         return SLOW();
     }
@@ -1109,36 +1154,19 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             Py_XDECREF(entry);
         }
         Py_XDECREF(gone);
-        PyObject *et, *ev, *etb; /* a failure of ours, set aside while the time is filed */
-        PyErr_Fetch(&et, &ev, &etb);
-        took(h, rt, now() - t0); /* (a call that removes nothing is not timed) */
-        PyErr_Restore(et, ev, etb);
+        took_aside(h, rt, now() - t0, 0); /* (a call that removes nothing is not timed) */
         if (!ok && failed(rt, s_remove_blocks) < 0) { /* kvsan's own failure:
             * counted (vLLM's result kept), raised only outside log mode */
             Py_CLEAR(ret);
         }
     }
-    for (Py_ssize_t j = 0; j < m; j++) {
-        Py_DECREF(cand[j]);
-    }
-    PyMem_Free(cand);
-    Py_DECREF(blocks);
+    drop_candidates(cand, m, blocks);
     Py_DECREF(ck);
     Py_DECREF(rt);
     return ret;
 }
 
 /* ---- the worker side (kvsan.hooks.vllm_worker): the V1 runner's step ---- */
-
-/* a worker-side call's own time: also the runtime's ``device_s`` */
-static void
-took_device(Hook *h, PyObject *rt, double dt)
-{
-    took(h, rt, dt); /* (add_overhead made ov_ref this runtime's) */
-    if (dt > 0.0 && ov_ref != NULL && PyWeakref_GET_OBJECT(ov_ref) == rt) {
-        dv_pending += dt;
-    }
-}
 
 /* the truth of ``obj.name`` (a missing attribute counts as false where
  * ``optional``, as getattr(obj, name, None) does): 1, 0, -1 error */
@@ -1203,14 +1231,16 @@ take_payload(PyObject *rt, PyObject *ck)
     if (j == NULL) {
         return NULL;
     }
+    /* the four lists, the reset flag, the step */
     PyObject *v[6] = {NULL};
     PyObject *const keys[6] = {s_cached, s_uncached, s_freed, s_dropped, s_reset, s_step};
     PyObject *d = NULL;
-    if ((v[0] = slot_attr(j, s_cached, &sr_journal[2])) == NULL
-        || (v[1] = slot_attr(j, s_uncached, &sr_journal[0])) == NULL
-        || (v[2] = slot_attr(j, s_freed, &sr_journal[1])) == NULL
-        || (v[3] = PyObject_GetAttr(j, s_dropped)) == NULL
-        || (v[4] = PyObject_GetAttr(j, s_reset)) == NULL
+    for (int i = 0; i < 4; i++) {
+        if ((v[i] = journal_get(j, keys[i])) == NULL) {
+            goto done;
+        }
+    }
+    if ((v[4] = PyObject_GetAttr(j, s_reset)) == NULL
         || (v[5] = slot_attr(rt, s_step, &sr_step)) == NULL || (d = PyDict_New()) == NULL) {
         goto done;
     }
@@ -1222,11 +1252,10 @@ take_payload(PyObject *rt, PyObject *ck)
     }
     for (int i = 0; i < 4; i++) {
         PyObject *fresh = PyList_New(0);
+        SlotTable *c = journal_slots(keys[i]);
         int r = fresh == NULL ? -1
-                : i == 0      ? slots_set(&sr_journal[2], j, 0, fresh, &keys[0], 1)
-                : i == 1      ? slots_set(&sr_journal[0], j, 0, fresh, &keys[1], 1)
-                : i == 2      ? slots_set(&sr_journal[1], j, 0, fresh, &keys[2], 1)
-                              : PyObject_SetAttr(j, s_dropped, fresh);
+                : c != NULL   ? slots_set(c, j, 0, fresh, &keys[i], 1)
+                              : PyObject_SetAttr(j, keys[i], fresh);
         Py_XDECREF(fresh);
         if (r < 0) {
             PyErr_Clear();
@@ -1345,10 +1374,7 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
         }
         Py_XDECREF(payload);
     }
-    PyObject *et, *ev, *etb; /* vLLM's or a violation, set aside while the time is filed */
-    PyErr_Fetch(&et, &ev, &etb);
-    took(h, rt, own);
-    PyErr_Restore(et, ev, etb);
+    took_aside(h, rt, own, 0);
     Py_DECREF(sched);
     Py_DECREF(ck);
     Py_DECREF(rt);
@@ -1602,11 +1628,8 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             post(h, argv, 4, &ret);
         }
     }
-filed:;
-    PyObject *et, *ev, *etb; /* vLLM's or a violation, set aside while the time is filed */
-    PyErr_Fetch(&et, &ev, &etb);
-    took_device(h, rt, own);
-    PyErr_Restore(et, ev, etb);
+filed:
+    took_aside(h, rt, own, 1);
     Py_DECREF(runner);
     Py_DECREF(st);
     Py_DECREF(dc);
@@ -1668,10 +1691,7 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
             Py_CLEAR(got); /* clean */
         }
     }
-    PyObject *et, *ev, *etb; /* a failure of ours, set aside while the time is filed */
-    PyErr_Fetch(&et, &ev, &etb);
-    took_device(h, rt, now() - t0);
-    PyErr_Restore(et, ev, etb);
+    took_aside(h, rt, now() - t0, 1);
     if (own_failure) {
         if (failed(rt, s_guard_where) < 0) {
             Py_CLEAR(ret);
