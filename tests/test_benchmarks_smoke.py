@@ -43,11 +43,12 @@ def test_hookcost_tiny():
     # the benchmark's own trampoline, in the lane's process only
     alloc = rows.get("get_new_blocks (native hook)")
     assert alloc is not None and alloc["calls_per_step"] > 0 and alloc["us_per_call"] > 0
-    # schedule(): the Python hook until it hands the scheduler to its native
-    # hook (the first step), then the native hook
-    sched = [rows.get(k, {}).get("calls_per_step", 0)
-             for k in ("Scheduler.schedule", "schedule (native hook)")]
-    assert sum(sched) == 1 and sched[1] > 0, sched
+    # schedule() and update_from_output(): the Python hook until the first
+    # step hands the scheduler to the native hooks, then the native hooks
+    for method in ("schedule", "update_from_output"):
+        calls = [rows.get(k, {}).get("calls_per_step", 0)
+                 for k in (f"Scheduler.{method}", f"{method} (native hook)")]
+        assert sum(calls) == 1 and calls[1] > 0, (method, calls)
     assert "timed in all" in hookcost.markdown(res)
     assert hooks._trampoline is trampoline  # this process is untouched
 

@@ -150,8 +150,10 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
 def _decode_run(seed: int, one_call: bool, monkeypatch):
     """Decode-like steps (the same batch step after step, as an engine's
     persistent batch keeps it, in a slot mapping filled in place), with
-    writes into another request's block now and then and the batch changing
-    twice; the guard as the V1 hook makes it."""
+    writes into another request's block now and then, the batch changing
+    twice (the first time as a request leaves the worker view, the second
+    as it comes back) and prefix hits served now and then, one of them on a
+    block never written; the guard as the V1 hook makes it."""
     rng = random.Random(seed)
     found: list = []
     dc = _make("c", found, monkeypatch)
@@ -160,9 +162,16 @@ def _decode_run(seed: int, one_call: bool, monkeypatch):
     dc.add_step([(rid, blocks, 0) for rid, blocks in own.items()])
     batch = ["r0", "r1", "r2"]
     took = 0
+    dc.fill[NB - 2] = BS  # a block written in full (as a copy fills one)
     for step in range(40):
         if step in (15, 30):  # a request leaves, another joins
             batch = batch[1:] + [f"r{(int(batch[-1][1:]) + 1) % 4}"]
+        if step == 15:  # r0 leaves the worker view: no last batch now
+            dc.drop_request("r0")
+        if step == 30:  # r0 is back, with its int again
+            dc.add_step([("r0", own["r0"], 0)])
+        if step % 10 == 5:  # a prefix hit: written, or (once) never written
+            dc.note_hits([(batch[0], NB - 1 if step == 25 else NB - 2)])
         counts = np.array([rng.randrange(1, 3) for _ in batch], dtype=np.int32)
         row = []
         for rid, n in zip(batch, counts):
@@ -179,8 +188,7 @@ def _decode_run(seed: int, one_call: bool, monkeypatch):
             dc.guard(slots, list(batch), counts.tolist())
         else:
             took += 1
-            if bad:
-                dc.report_writes(bad)
+            dc.guarded(bad)
     return dc, found, took
 
 
@@ -189,13 +197,18 @@ def test_the_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
     """``_devicefast.guard_step`` (the V1 hook's write guard in one C call,
     for the common step) against DeviceChecker.guard: the same violations,
     tables and counts; it takes every step but the first (no last batch
-    yet), a change of batch included: every request of the new batch got
-    its int when its blocks were added."""
+    yet): a change of batch (every request of the new batch got its int
+    when its blocks were added), a step after a request left the worker
+    view (no last batch) and a step with prefix hits to check included.
+    A hit on a block never written is left for ``guarded`` to report."""
     dc, found, took = _decode_run(seed, True, monkeypatch)
     ref_dc, ref_found, _ = _decode_run(seed, False, monkeypatch)
-    assert {v.kind for v in ref_found} == {"overwrite_shared_block"}
+    assert {v.kind for v in ref_found} == {"overwrite_shared_block", "uninitialized_hit"}
+    assert [(v.kind, v.blocks, v.owners, v.actor) for v in found
+            if v.kind == "uninitialized_hit"] == [("uninitialized_hit", [NB - 1], ["r1"], "r1")]
     assert _violations(found) == _violations(ref_found)
     assert _state(dc) == _state(ref_dc)
+    assert not dc.step_hits and not ref_dc.step_hits
     assert took == 40 - 1, took
 
 

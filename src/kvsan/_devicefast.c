@@ -280,17 +280,22 @@ static PyObject *g_str[G_N];
  * step guarded: fill and the guarded-token count updated; the caller
  * reports them), or None, with nothing changed, for any other step (the
  * caller runs DeviceChecker.guard, which gives the same results).
- * A batch of other requests than the last guard's is the common step too
- * when every one of them has its int already (``_rid_int``): it becomes
- * the new ``_last_batch``, as DeviceChecker.guard makes it.
+ * A batch of other requests than the last guard's (or with no last batch,
+ * after a request left) is the common step too when every one of them has
+ * its int already (``_rid_int``): it becomes the new ``_last_batch``, as
+ * DeviceChecker.guard makes it.  The step's prefix hits (``step_hits``) are
+ * checked once its writes are counted, as check_hits_written checks them:
+ * all written in full, they are cleared; else they stay, and the caller
+ * runs check_hits_written (which reports them) before reporting the
+ * writes.
  *
  * Between two forward passes every Python frame is a cache miss, and a
  * step's guard took two (DeviceChecker.guard and _check_writes) and a list
  * of the tokens per request around this loop.  The common step: the tables
  * and the slot mapping in host memory with its view kept (_slots_view: the
- * same tensor at the same address), the same requests as the last guard's,
- * in the same order (_last_batch: an engine's persistent batch), nothing
- * deferred or pending, no prefix hit to check, and some tokens to guard.
+ * same tensor at the same address), requests that all have their ints
+ * (mostly the last guard's, in the same order: _last_batch, an engine's
+ * persistent batch), nothing deferred or pending, and some tokens to guard.
  * ``tokens``: a 1-d buffer of int32 or int64 (an engine's numpy array). */
 static PyObject *
 guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -307,6 +312,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     GuardBuffers gb = {.have = 0};
     int have_c = 0;
     int64_t *w = NULL, *c = NULL;
+    Py_ssize_t *hb = NULL; /* the prefix hits' blocks */
     int common = 0; /* 1: the common case, applied (out set) */
 
     for (int i = G_PENDING; i <= G_STEP_HITS; i++) {
@@ -314,11 +320,17 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    int may = PyObject_IsTrue(o[G_MAY_DEFER]), hits = PyObject_IsTrue(o[G_STEP_HITS]);
-    if (may < 0 || hits < 0) {
+    int may = PyObject_IsTrue(o[G_MAY_DEFER]);
+    if (may < 0) {
         goto done;
     }
-    if (o[G_PENDING] != Py_None || may || hits) {
+    if (o[G_PENDING] != Py_None || may) {
+        goto done;
+    }
+    /* the step's prefix hits, checked once its writes are counted: a list
+     * of (request id, block) */
+    PyObject *hits = o[G_STEP_HITS];
+    if (!PyList_CheckExact(hits)) {
         goto done;
     }
     for (int i = G_LAST_BATCH; i <= G_RID_INT; i++) {
@@ -327,16 +339,22 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     PyObject *last = o[G_LAST_BATCH], *view = o[G_SLOTS_VIEW], *np = o[G_NP];
-    if (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 2 || !PyTuple_Check(view)
-        || PyTuple_GET_SIZE(view) != 3 || !PyTuple_Check(np) || PyTuple_GET_SIZE(np) != 3
-        || !PyDict_Check(o[G_COUNTERS]) || !PyDict_CheckExact(o[G_RID_INT])) {
+    if ((last != Py_None && (!PyTuple_Check(last) || PyTuple_GET_SIZE(last) != 2))
+        || !PyTuple_Check(view) || PyTuple_GET_SIZE(view) != 3 || !PyTuple_Check(np)
+        || PyTuple_GET_SIZE(np) != 3 || !PyDict_Check(o[G_COUNTERS])
+        || !PyDict_CheckExact(o[G_RID_INT]) || PyTuple_GET_ITEM(view, 2) == Py_None) {
         goto done;
     }
-    PyObject *last_rids = PyTuple_GET_ITEM(last, 0), *last_ids = PyTuple_GET_ITEM(last, 1);
-    if (!PyList_Check(last_rids) || !PyList_Check(last_ids)
-        || PyList_GET_SIZE(last_ids) != PyList_GET_SIZE(last_rids)
-        || PyTuple_GET_ITEM(view, 2) == Py_None) {
-        goto done;
+    /* no last batch (a request left since: its int may be another's now):
+     * a batch of other requests */
+    PyObject *last_rids = NULL, *last_ids = NULL;
+    if (last != Py_None) {
+        last_rids = PyTuple_GET_ITEM(last, 0);
+        last_ids = PyTuple_GET_ITEM(last, 1);
+        if (!PyList_Check(last_rids) || !PyList_Check(last_ids)
+            || PyList_GET_SIZE(last_ids) != PyList_GET_SIZE(last_rids)) {
+            goto done;
+        }
     }
     long long bs = PyLong_AsLongLong(o[G_BLOCK_SIZE]);
     if (bs <= 0) {
@@ -352,7 +370,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(rids) || PyList_GET_SIZE(rids) < n || n < 0) {
         goto done;
     }
-    int same_batch = n == PyList_GET_SIZE(last_rids);
+    int same_batch = last_rids != NULL && n == PyList_GET_SIZE(last_rids);
     for (Py_ssize_t i = 0; i < n && same_batch; i++) {
         PyObject *a = PyList_GET_ITEM(rids, i), *b = PyList_GET_ITEM(last_rids, i);
         int eq = a == b ? 1 : PyObject_RichCompareBool(a, b, Py_EQ);
@@ -402,7 +420,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_NoMemory();
         goto done;
     }
-    if (PyList_GET_SIZE(last_ids) < n || PyList_GET_SIZE(rids) < n) {
+    if (last_ids == NULL || PyList_GET_SIZE(last_ids) < n || PyList_GET_SIZE(rids) < n) {
         goto done; /* (changed by the Python code the calls above may run) */
     }
     /* (kept: the last batch's ids list may be replaced by that code) */
@@ -433,6 +451,24 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         || total > gb.sb.shape[0]) {
         goto done;
     }
+    Py_ssize_t nhits = PyList_GET_SIZE(hits);
+    if (nhits) { /* the blocks, read before anything is set */
+        if ((hb = PyMem_Malloc(sizeof(Py_ssize_t) * nhits)) == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t i = 0; i < nhits; i++) {
+            PyObject *hit = PyList_GET_ITEM(hits, i);
+            if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 2
+                || !PyLong_CheckExact(PyTuple_GET_ITEM(hit, 1))) {
+                goto done;
+            }
+            hb[i] = PyLong_AsSsize_t(PyTuple_GET_ITEM(hit, 1));
+            if (hb[i] < 0 || hb[i] >= gb.fb.shape[0]) {
+                goto done; /* (an error, too: Python's) */
+            }
+        }
+    }
     /* from here on the step is guarded: a failure is kvsan's own (raised) */
     common = 1;
     PyObject *had = PyDict_GetItemWithError(o[G_COUNTERS], g_str[G_GUARDED]);
@@ -461,6 +497,21 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     out = guard_core(&gb.sb, w, c, n, &gb.lb, &gb.fb, &gb.mb, bs);
+    if (out != NULL && nhits) {
+        /* every hit written in full: checked (check_hits_written); else the
+         * hits stay for the caller to report, with their requests */
+        const int32_t *fill = (const int32_t *)gb.fb.buf;
+        int all_written = 1;
+        for (Py_ssize_t i = 0; i < nhits && all_written; i++) {
+            all_written = fill[hb[i]] >= bs;
+        }
+        PyObject *none = all_written ? PyList_New(0) : NULL;
+        if (all_written
+            && (none == NULL || PyObject_SetAttr(dc, g_str[G_STEP_HITS], none) < 0)) {
+            Py_CLEAR(out);
+        }
+        Py_XDECREF(none);
+    }
 done:
     if (!common && out == NULL) { /* not the common case: DeviceChecker.guard's */
         PyErr_Clear();
@@ -468,6 +519,7 @@ done:
     }
     PyMem_Free(w);
     PyMem_Free(c);
+    PyMem_Free(hb);
     Py_XDECREF(ids);
     Py_XDECREF(new_rids);
     if (have_c) PyBuffer_Release(&cb);

@@ -19,7 +19,9 @@
  * ``SingleTypeKVCacheManager._remove_blocks_in_range``, lets through the
  * calls that remove nothing (skip_call).  On the scheduler's step, SCHED,
  * on ``Scheduler.schedule``, ships the pool's step journal to the workers
- * (sched_call); on the worker's, STEP and GUARD, on the V1 runner's
+ * (sched_call), and UPDATE, on ``Scheduler.update_from_output``, lets
+ * through the steps with nothing to check after it (update_call); on the
+ * worker's, STEP and GUARD, on the V1 runner's
  * ``execute_model`` and ``_prepare_inputs``, begin the quiet steps and
  * guard the common ones (step_call, guard_call).
  *
@@ -46,14 +48,14 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 9
+#define KVSAN_HOOKFAST_ABI 10
 
 #include "_capi.h"
 #include "_slots.h"
 #include <structmember.h>
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
-       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_N = 10 };
+       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_UPDATE = 10, K_N = 11 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -91,7 +93,8 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_checksum, *s_sums, *s__tick, *s_SAMPLE_BATCH_STEPS, *s_pending_seal, *s_pending_guard,
     *s_will_seal, *s_pending_release, *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
-    *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where;
+    *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where,
+    *s_idle_audited;
 
 /* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
  * NULL with an exception: read on every hook call, so where the dict's
@@ -1381,6 +1384,54 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     return ret;
 }
 
+/* K_UPDATE: ``Scheduler.update_from_output(scheduler_output,
+ * model_runner_output)``, after vLLM's method ran.  What the Python hook's
+ * _update_from_output checks after it (``h->post(rt, scheduler, result)``,
+ * _update_ends) is due only when delayed frees are pending (the checker's
+ * ``pending_release``), when the scheduler has no request left and the idle
+ * audit has not run yet, or when it has requests again after one (the
+ * runtime's ``idle_audited``); any other step ends here.  ``h->state`` is
+ * the SCHED hook's: (weak ref to the runtime, weak ref to the scheduler,
+ * its pool's checker), set with it; other calls go to the Python hook
+ * whole (vLLM 0.32 passes both arguments positionally). */
+static PyObject *
+update_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *st = h->state;
+    if (st == Py_None || nargs != 3 || kwnames != NULL
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
+        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != args[0]) {
+        return SLOW();
+    }
+    Py_INCREF(rt);
+    PyObject *ck = Py_NewRef(PyTuple_GET_ITEM(st, 2)), *sched = Py_NewRef(args[0]);
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) {
+        double t0 = now();
+        int rest = attr_truth(ck, s_pending_release, 0);
+        if (rest == 0) {
+            int busy = attr_truth(sched, s_requests, 0);
+            int audited = busy < 0 ? -1 : attr_truth(rt, s_idle_audited, 0);
+            /* idle and not audited yet, or busy again after an audit */
+            rest = audited < 0 ? -1 : busy == audited;
+        }
+        if (rest < 0) {
+            PyErr_Clear(); /* the Python half meets (and guards) the same */
+        }
+        double own = now() - t0;
+        if (rest) {
+            PyObject *argv[3] = {rt, sched, ret};
+            post(h, argv, 3, &ret);
+        }
+        took_aside(h, rt, own, 0);
+    }
+    Py_DECREF(sched);
+    Py_DECREF(ck);
+    Py_DECREF(rt);
+    return ret;
+}
+
 /* A quiet step begun as kvsan.hooks.vllm_worker.begin_step begins it: the
  * scheduler's output hands the worker view nothing to apply but blocks it
  * cached (no request finished, preempted, new or resumed, no new block, no
@@ -1644,7 +1695,9 @@ filed:
  * num_scheduled_tokens, got)`` does the rest in Python: ``got`` False,
  * nothing was done here (no checker in the cache, a layout of another
  * vLLM: the Python hook's whole guard); None, guard_step declined the
- * step (DeviceChecker.guard); a list, the writes it found to report.
+ * step (DeviceChecker.guard); a list, the step guarded: the writes it
+ * found and any prefix hit it found unwritten (left in the checker's
+ * ``step_hits``), to report.
  * ``h->state``: (weak ref to the runtime, vllm_worker's one-entry checker
  * cache, guard_step). */
 static PyObject *
@@ -1688,7 +1741,15 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
         if (got == NULL) {
             own_failure = 1; /* kvsan's own, in the guard: guarded below */
         } else if (got != Py_None && PyList_CheckExact(got) && PyList_GET_SIZE(got) == 0) {
-            Py_CLEAR(got); /* clean */
+            /* clean, unless a prefix hit was found unwritten (left for
+             * Python to report) */
+            int hits = attr_truth(dc, s_step_hits, 0);
+            if (hits < 0) {
+                PyErr_Clear(); /* (the Python half reads it again) */
+            }
+            if (hits == 0) {
+                Py_CLEAR(got);
+            }
         }
     }
     took_aside(h, rt, now() - t0, 1);
@@ -1748,6 +1809,8 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             return guard_call(h, rt, args, nargsf, kwnames);
         case K_SCHED:
             return sched_call(h, rt, args, nargsf, kwnames);
+        case K_UPDATE:
+            return update_call(h, rt, args, nargsf, kwnames);
         default:
             return SLOW();
         }
@@ -2082,7 +2145,8 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
         ok &= PyLong_CheckExact(PyTuple_GET_ITEM(value, 6))
               && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
     }
-    if (!ok && h->kind == K_SCHED && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 3) {
+    if (!ok && (h->kind == K_SCHED || h->kind == K_UPDATE) && PyTuple_CheckExact(value)
+        && PyTuple_GET_SIZE(value) == 3) {
         ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
              && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
     }
@@ -2101,7 +2165,7 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
                         "state: None; for an END hook (weak ref, weak ref, dict, held owners "
                         "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, "
                         "list, dict, callable, callable); for a GUARD hook (weak ref, list, "
-                        "None); for a SCHED hook (weak ref, weak ref, checker)");
+                        "None); for a SCHED or UPDATE hook (weak ref, weak ref, checker)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
@@ -2152,7 +2216,7 @@ static PyGetSetDef hook_getset[] = {
      NULL},
     {"state", (getter)hook_get_state, (setter)hook_set_state,
      "END: the request-end check's state in C (see _request_ended); STEP, GUARD: the "
-     "worker's (see kvsan.hooks.vllm_worker._hand_to_native); SCHED: the scheduler's "
+     "worker's (see kvsan.hooks.vllm_worker._hand_to_native); SCHED, UPDATE: the scheduler's "
      "(see kvsan.hooks.vllm_allocator._hand_schedule_to_native); or None", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
@@ -2349,6 +2413,7 @@ PyInit__hookfast(void)
     INTERN(s_pending_seal, "pending_seal");
     INTERN(s_will_seal, "will_seal");
     INTERN(s_pending_release, "pending_release");
+    INTERN(s_idle_audited, "idle_audited");
     INTERN(s_config, "config");
     INTERN(s_audit_every, "audit_every");
     INTERN(s_metrics, "metrics");
@@ -2384,7 +2449,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "SKIP", K_SKIP) < 0
         || PyModule_AddIntConstant(m, "STEP", K_STEP) < 0
         || PyModule_AddIntConstant(m, "GUARD", K_GUARD) < 0
-        || PyModule_AddIntConstant(m, "SCHED", K_SCHED) < 0) {
+        || PyModule_AddIntConstant(m, "SCHED", K_SCHED) < 0
+        || PyModule_AddIntConstant(m, "UPDATE", K_UPDATE) < 0) {
         Py_DECREF(m);
         return NULL;
     }

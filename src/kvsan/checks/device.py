@@ -911,6 +911,12 @@ class DeviceChecker:
             bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
         else:  # torch ops, on the tables' device (on a CPU device: the same memory)
             bad = self._bad_writes(slot_mapping[:total], ids, counts)
+        self.guarded(bad)
+
+    def guarded(self, bad) -> None:
+        """A guarded step's reports: its prefix hits not written in full
+        (``kvsan._devicefast.guard_step`` clears them when all are), then
+        its bad writes."""
         if self.step_hits:
             self.check_hits_written()
         if bad:

@@ -573,17 +573,20 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
 
 
 def _hand_schedule_to_native(rt, sched, ck) -> None:
-    """From now on the native SCHED hook on ``sched``'s class (when there
-    is one) runs this scheduler's ``schedule()`` for ``rt`` itself, and
-    calls :func:`_schedule_ends` only for the steps with more to do."""
-    hook = getattr(type(sched), "schedule", None)
-    if type(hook) is _hooks._HOOK_TYPE:
-        st = hook.state
-        if st is None or st[0]() is not rt or st[1]() is not sched or st[2] is not ck:
-            try:
-                hook.state = (weakref.ref(rt), weakref.ref(sched), ck)
-            except TypeError:  # not weakly referenceable: the Python hook, always
-                pass
+    """From now on the native SCHED and UPDATE hooks on ``sched``'s class
+    (when there are) run this scheduler's ``schedule()`` and
+    ``update_from_output()`` for ``rt`` themselves, and call
+    :func:`_schedule_ends` and :func:`_update_ends` only for the steps with
+    more to do."""
+    for attr in ("schedule", "update_from_output"):
+        hook = getattr(type(sched), attr, None)
+        if type(hook) is _hooks._HOOK_TYPE:
+            st = hook.state
+            if st is None or st[0]() is not rt or st[1]() is not sched or st[2] is not ck:
+                try:
+                    hook.state = (weakref.ref(rt), weakref.ref(sched), ck)
+                except TypeError:  # not weakly referenceable: the Python hook, always
+                    return
 
 
 def still_cached(cached: list[int], flags) -> list[int]:
@@ -600,17 +603,25 @@ def still_cached(cached: list[int], flags) -> list[int]:
 def _update_from_output(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    if rt is None:
-        return ret
-    ck = _scheduler_checker(rt, instance)
+    if rt is not None:
+        _update_ends(rt, instance, ret)
+    return ret
+
+
+def _update_ends(rt, sched, ret) -> None:
+    """After vLLM's ``update_from_output``: the delayed frees it completed,
+    and the audit when the engine goes idle.  The native UPDATE hook
+    (``kvsan._hookfast``'s update_call) calls this only for the steps with
+    one of them to do (or the idle flag to reset)."""
+    ck = _scheduler_checker(rt, sched)
     if ck is not None and ck.pending_release:  # delayed frees the engine completed
-        _guard(rt, "pending_release", ck.drain_pending, instance.requests,
+        _guard(rt, "pending_release", ck.drain_pending, sched.requests,
                "scheduler.py:update_from_output (delayed free)")
-    idle = not instance.requests
+    idle = not sched.requests
     if idle and not rt.idle_audited:
         rt.idle_audited = True
-        _guard(rt, "idle_audit", audit_scheduler, rt, instance, "kvsan.idle_audit")
-        ck = _scheduler_checker(rt, instance)
+        _guard(rt, "idle_audit", audit_scheduler, rt, sched, "kvsan.idle_audit")
+        ck = _scheduler_checker(rt, sched)
         if ck is not None:
             stats = ck.shadow.stats()
             if rt.metrics is not None:
@@ -621,7 +632,6 @@ def _update_from_output(wrapped, instance, args, kwargs):
                               pool=stats, movements=dict(ck.counters))
     elif not idle:
         rt.idle_audited = False
-    return ret
 
 
 #: request status -> its text ("finished_aborted"): an enum member's
@@ -836,7 +846,8 @@ def targets() -> list[Target]:
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
         Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_SCHED, "Scheduler.schedule", _schedule, fast=("SCHED", _schedule_ends)),
-        Target(_SCHED, "Scheduler.update_from_output", _update_from_output),
+        Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
+               fast=("UPDATE", _update_ends)),
         Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
         Target(_SCHED, "Scheduler._preempt_request", _preempt_request),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests),

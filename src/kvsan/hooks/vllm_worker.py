@@ -335,7 +335,7 @@ def _native_step_ends(rt, runner, dc: DeviceChecker, ret) -> None:
 def _native_guard(rt, runner, counts, got) -> None:
     """The native GUARD hook's second half: ``got`` False, the whole guard
     here (:func:`_guard_step`); None, ``guard_step`` declined the step;
-    else the writes it found, to report."""
+    else the writes it found, to report (and the prefix hits it left)."""
     if got is False:
         _guard_step(rt, runner, counts)
         return
@@ -350,7 +350,7 @@ def _native_guard(rt, runner, counts, got) -> None:
             dc.guard(batch.block_table.block_tables[0].slot_mapping.gpu, batch.req_ids[:n],
                      _ints(counts[:n]))
         else:
-            dc.report_writes(got)
+            dc.guarded(got)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_prepare_inputs.guard", e)  # a violation (raise / abort) propagates
     finally:
@@ -427,8 +427,8 @@ def _guard_step(rt, runner, num_sched) -> None:
         bad = fast.guard_step(dc, slots, rids, n, num_sched) if fast is not None else None
         if bad is None:
             dc.guard(slots, rids[:n], _ints(num_sched[:n]))
-        elif bad:
-            dc.report_writes(bad)
+        else:
+            dc.guarded(bad)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_prepare_inputs.guard", e)  # a violation (raise / abort) propagates
     finally:
