@@ -264,6 +264,29 @@ def test_use_after_free_is_corruption_not_a_key_bug(rt):
     assert wrong and all(r["class"] == "corruption" for r in wrong)
 
 
+def test_text_only_chains_share_their_empty_digests():
+    """The ``mm`` and ``emb`` chains of text-only requests are one shared
+    list (``RequestIdentity.TEXT_ONLY``: two tracked lists and 16 B a block
+    less per request); a request with multimodal input gets chains of its
+    own at its first extension, and the shared one stays empty."""
+    from kvsan.checks import identity
+
+    shared = identity.RequestIdentity.TEXT_ONLY
+    image = lambda k: b"img%d" % k  # noqa: E731
+    a = identity.RequestIdentity((b"", b"", b""))
+    a.extend(3, list(range(64)), 16, None, None)
+    b = identity.RequestIdentity((b"", b"", b""))
+    b.extend(2, list(range(64)), 16, image, None)
+    assert a.mm is shared and a.emb is shared
+    assert b.mm is not shared and b.emb is not shared
+    assert all(b.mm) and b.emb == [b"", b""]
+    assert len(shared) >= 3 and not any(shared)
+    # the same tokens, with and without an image: not the same inputs
+    assert a.same(1, a, 1) and not a.same(1, b, 1) and not b.same(1, a, 1)
+    b.extend(4, list(range(64)), 16, image, None)
+    assert len(b.tok) == len(b.mm) == len(b.emb) == 4 and not any(shared)
+
+
 def test_native_token_links_equal_the_python_chain():
     """``kvsan._tokenlinks`` gives exactly ``hash((parent, tuple(block)))``,
     the Python chain, on edge values (ints past the hash modulus, negative
@@ -307,8 +330,12 @@ def test_native_token_links_equal_the_python_chain():
             chains.append((ident.tok, ident.mm, ident.emb))
         identity.use_native(True)
         assert chains[0] == chains[1], (trial, steps)
-        assert len(chains[0][0]) == len(chains[0][1]) == len(chains[0][2]) == steps[-1]
-        assert chains[0][1] == [b""] * steps[-1] == chains[0][2]
+        assert len(chains[0][0]) == steps[-1]
+        # text only: mm and emb are the one list every text-only chain
+        # shares, padded at least as far as this chain reads it
+        shared = identity.RequestIdentity.TEXT_ONLY
+        assert all(c[1] is shared and c[2] is shared for c in chains)
+        assert len(shared) >= steps[-1] and not any(shared)
     from kvsan._tokenlinks import extend_text
 
     with pytest.raises(TypeError, match="extend_text"):

@@ -16,7 +16,7 @@
 #define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots */
 #include "_slots.h"
 
-#define KVSAN_TOKENLINKS_ABI 5
+#define KVSAN_TOKENLINKS_ABI 6
 
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
@@ -180,7 +180,8 @@ links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
  * identity chain (RequestIdentity.extend without multimodal input or prompt
  * embeddings) in one call: ``tok`` gets the links of blocks [len(tok),
  * upto), from its last link (0 when empty), and ``mm`` / ``emb`` are padded
- * with b"" to the same length */
+ * with b"" to at least that length (they may be one list, shared by every
+ * text-only chain: RequestIdentity.TEXT_ONLY) */
 static PyObject *
 extend_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -261,12 +262,13 @@ error: /* all or nothing: the three chains cut back to where they were */
  * the weak reference (a ``weakref.ref`` subclass with a ``rid`` slot) drops
  * the entry with the Request. */
 static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_ids,
-    *s_lora_request, *s_cache_salt, *s_rid, *empty_tuple;
+    *s_lora_request, *s_cache_salt, *s_rid, *s_TEXT_ONLY, *empty_tuple;
 
 /* a new RequestIdentity(static) without running its __init__ in Python (a
  * frame per new request): the object as the type's tp_new makes it, with
- * the four slots __init__ sets -- ``static``, and empty ``tok``, ``mm`` and
- * ``emb`` lists (kvsan.checks.identity.RequestIdentity.__init__ says so
+ * the four slots __init__ sets -- ``static``, an empty ``tok`` list, and
+ * ``mm`` and ``emb`` both the type's TEXT_ONLY list, shared by every
+ * text-only chain (kvsan.checks.identity.RequestIdentity.__init__ says so
  * too; tests/test_identity.py compares the two).  New reference or NULL. */
 static PyObject *
 new_identity(PyObject *type, PyObject *statics)
@@ -279,19 +281,22 @@ new_identity(PyObject *type, PyObject *statics)
     if (ident == NULL) {
         return NULL;
     }
-    if (ident_set(ident, I_STATIC, statics) < 0) {
+    PyObject *tok = PyList_New(0);
+    PyObject *shared = tok == NULL ? NULL : PyObject_GetAttr(type, s_TEXT_ONLY);
+    int r = shared == NULL ? -1 : 0;
+    if (r == 0 && !PyList_CheckExact(shared)) {
+        PyErr_SetString(PyExc_TypeError, "known_chain: make[0].TEXT_ONLY must be a list");
+        r = -1;
+    }
+    if (r < 0 || ident_set(ident, I_STATIC, statics) < 0 || ident_set(ident, I_TOK, tok) < 0
+        || ident_set(ident, I_MM, shared) < 0 || ident_set(ident, I_EMB, shared) < 0) {
+        Py_XDECREF(tok);
+        Py_XDECREF(shared);
         Py_DECREF(ident);
         return NULL;
     }
-    for (int i = I_TOK; i <= I_EMB; i++) {
-        PyObject *l = PyList_New(0);
-        int r = l == NULL ? -1 : ident_set(ident, i, l);
-        Py_XDECREF(l);
-        if (r < 0) {
-            Py_DECREF(ident);
-            return NULL;
-        }
-    }
+    Py_DECREF(tok);
+    Py_DECREF(shared);
     return ident;
 }
 
@@ -511,7 +516,8 @@ PyInit__tokenlinks(void)
         const char *text;
     } names[] = {{&s_request_id, "request_id"}, {&s_mm_features, "mm_features"},
                  {&s_prompt_embeds, "prompt_embeds"}, {&s_all_token_ids, "_all_token_ids"},
-                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"}};
+                 {&s_lora_request, "lora_request"}, {&s_cache_salt, "cache_salt"}, {&s_rid, "rid"},
+                 {&s_TEXT_ONLY, "TEXT_ONLY"}};
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         if ((*names[i].var = PyUnicode_InternFromString(names[i].text)) == NULL) {
             return NULL;

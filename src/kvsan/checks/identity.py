@@ -69,7 +69,7 @@ def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
     global _links, _extend_text, known_chain, reap
-    mod = native.load("_tokenlinks", 5) if on else None
+    mod = native.load("_tokenlinks", 6) if on else None
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None
     known_chain = mod.known_chain if mod is not None else None
@@ -86,17 +86,30 @@ class RequestIdentity:
 
     ``static``: the digests of the inputs that are the same for every block
     of the request (LoRA, cache_salt, KV dtype), one shared tuple per
-    distinct combination, so most comparisons are an identity check."""
+    distinct combination, so most comparisons are an identity check.
+
+    ``mm`` and ``emb`` start as :attr:`TEXT_ONLY`, shared by every chain
+    whose request has neither multimodal input nor prompt embeddings (most
+    requests); the first extension of any other request gives it chains of
+    its own."""
 
     __slots__ = ("static", "tok", "mm", "emb")
+
+    #: the ``mm`` and ``emb`` chains of every text-only request: one list of
+    #: empty digests, padded to the longest such chain (a chain reads its
+    #: first ``len(tok)`` items only).  Two lists of their own per request
+    #: were a third of the audit's objects the garbage collector tracks (its
+    #: young collections run more often the more of them there are) and
+    #: 16 B per cached block.
+    TEXT_ONLY: list[bytes] = []
 
     def __init__(self, static: tuple[bytes, bytes, bytes]):
         # kvsan._tokenlinks (new_identity) makes these without calling
         # __init__, setting the same four slots: keep the two in step
         self.static = static
         self.tok: list[int] = []
-        self.mm: list[bytes] = []
-        self.emb: list[bytes] = []
+        self.mm: list[bytes] = self.TEXT_ONLY
+        self.emb: list[bytes] = self.TEXT_ONLY
 
     def extend(self, upto: int, tokens: Sequence[int], bs: int,
                mm: Callable[[int], bytes] | None, emb: Callable[[int], bytes] | None) -> None:
@@ -117,7 +130,8 @@ class RequestIdentity:
         start = len(tok)
         if start >= upto:
             return
-        if mm is None and emb is None and _extend_text is not None and type(tokens) is list:
+        text_only = mm is None and emb is None
+        if text_only and _extend_text is not None and type(tokens) is list:
             _extend_text(tok, self.mm, self.emb, tokens, bs, upto)  # the same, in one C call
             return
         parent = tok[-1] if tok else 0
@@ -128,11 +142,15 @@ class RequestIdentity:
             for k in range(start, upto):
                 parent = hash((parent, tuple(tokens[k * bs:(k + 1) * bs])))
                 tok.append(parent)
-        if mm is None and emb is None:  # text only: both chains stay empty
-            pad = [_EMPTY] * (upto - start)
-            self.mm += pad
-            self.emb += pad
+        if text_only:  # both chains stay empty: padded to length (maybe shared)
+            for chain in (self.mm, self.emb):
+                if len(chain) < upto:
+                    chain += [_EMPTY] * (upto - len(chain))
             return
+        if self.mm is self.TEXT_ONLY:  # not text only: chains of its own
+            self.mm = self.TEXT_ONLY[:start]
+        if self.emb is self.TEXT_ONLY:
+            self.emb = self.TEXT_ONLY[:start]
         for chain, part, tag in ((self.mm, mm, "mm"), (self.emb, emb, "emb")):
             if part is None:
                 chain.extend([_EMPTY] * (upto - start))
