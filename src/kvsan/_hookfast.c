@@ -805,6 +805,18 @@ post(Hook *h, PyObject *const *argv, size_t n, PyObject **ret)
 
 #define SLOW() slow_call(h, rt, args, nargsf, kwnames)
 
+/* whether a hook's ``state`` (checked by hook_set_state: a tuple whose
+ * first item, and second where ``obj`` is given, are weak references) was
+ * set for the runtime ``rt`` and, unless ``obj`` is NULL, for ``obj`` (the
+ * scheduler whose method this is): the first check of every route that
+ * keeps one; any other call goes to the Python hook */
+static inline int
+state_for(PyObject *st, PyObject *rt, PyObject *obj)
+{
+    return st != Py_None && PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) == rt
+           && (obj == NULL || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) == obj);
+}
+
 /* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
  * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
  * for the clean case -- the scheduler no longer tracks the request (no
@@ -907,9 +919,7 @@ end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *st = h->state;
     PyObject *request = arg(args, nargs, kwnames, 1, s_request); /* borrowed */
-    if (st == Py_None || request == NULL
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != args[0]) {
+    if (request == NULL || !state_for(st, rt, args[0])) {
         return SLOW();
     }
     Py_INCREF(rt);
@@ -1341,9 +1351,8 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *st = h->state;
-    if (st == Py_None || nargs > 2 || kwnames != NULL /* (self[, throttle_prefills]) */
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != args[0]) {
+    if (nargs > 2 || kwnames != NULL /* (self[, throttle_prefills]) */
+        || !state_for(st, rt, args[0])) {
         return SLOW();
     }
     double t0 = now();
@@ -1399,9 +1408,7 @@ update_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObjec
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *st = h->state;
-    if (st == Py_None || nargs != 3 || kwnames != NULL
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) != args[0]) {
+    if (nargs != 3 || kwnames != NULL || !state_for(st, rt, args[0])) {
         return SLOW();
     }
     Py_INCREF(rt);
@@ -1599,8 +1606,7 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *st = h->state;
-    if (st == Py_None || nargs < 2 || nargs > 3 || kwnames != NULL
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt) {
+    if (nargs < 2 || nargs > 3 || kwnames != NULL || !state_for(st, rt, NULL)) {
         return SLOW();
     }
     if (PyDict_GET_SIZE(PyTuple_GET_ITEM(st, 2)) != 0) { /* a step left unsealed */
@@ -1705,8 +1711,7 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
 {
     Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     PyObject *st = h->state;
-    if (st == Py_None || nargs != 3 || kwnames != NULL
-        || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 0)) != rt) {
+    if (nargs != 3 || kwnames != NULL || !state_for(st, rt, NULL)) {
         return SLOW();
     }
     Py_INCREF(rt);
