@@ -62,7 +62,7 @@ def agreement() -> dict:
             # on the GPU: the default (host tables, C guard over the deferred
             # copy, one-launch checksums), numpy tables, tables on the device
             for path in ("c", "numpy", "torch"):
-                if path == "c" and t.native.load("_devicefast", 1) is None:
+                if path == "c" and t.native.load("_devicefast", t.native.DEVICEFAST_ABI) is None:
                     row[path] = "not built"
                     continue
                 dc, found = t._run(seed, path, mp, device="cuda")

@@ -28,7 +28,7 @@ def _make(path: str, found: list, monkeypatch, device: str = "cpu") -> DeviceChe
     tables (``benchmarks.cuda_device`` runs the paths on a GPU against the
     host paths)."""
     monkeypatch.setattr(native, "DEVICEFAST",
-                        native.load("_devicefast", 2) if path in ("c", "deferred") else None)
+                        native.load("_devicefast", native.DEVICEFAST_ABI) if path in ("c", "deferred") else None)
     dc = DeviceChecker(NB, BS, emit=found.append, checksum="all", poison=True,
                        host_tables=path != "torch", device=device,
                        defer_guard=True if path == "deferred" else None,
@@ -153,7 +153,16 @@ def _decode_run(seed: int, one_call: bool, monkeypatch):
     writes into another request's block now and then, the batch changing
     twice (the first time as a request leaves the worker view, the second
     as it comes back) and prefix hits served now and then, one of them on a
-    block never written; the guard as the V1 hook makes it."""
+    block never written; the guard as the V1 hook makes it.  Returns
+    (checker, violations, steps guard_step took)."""
+    for got in _decode_steps(seed, one_call, monkeypatch):
+        pass
+    return got
+
+
+def _decode_steps(seed: int, one_call: bool, monkeypatch):
+    """:func:`_decode_run` a step at a time: yields (checker, violations,
+    steps guard_step took so far) after each step."""
     rng = random.Random(seed)
     found: list = []
     dc = _make("c", found, monkeypatch)
@@ -189,7 +198,7 @@ def _decode_run(seed: int, one_call: bool, monkeypatch):
         else:
             took += 1
             dc.guarded(bad)
-    return dc, found, took
+        yield dc, found, took
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -210,6 +219,39 @@ def test_the_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
     assert _state(dc) == _state(ref_dc)
     assert not dc.step_hits and not ref_dc.step_hits
     assert took == 40 - 1, took
+
+
+def test_the_guard_in_one_call_keeps_each_checkers_tables_apart(monkeypatch):
+    """``guard_step`` holds the buffers of the last checker it guarded
+    between steps: two checkers (two runners in one process) guarded in
+    turn each get their own tables, counts and violations, as when each
+    runs alone, though every step changes the checker."""
+    last = None
+    for last in zip(_decode_steps(0, True, monkeypatch), _decode_steps(1, True, monkeypatch)):
+        pass
+    for seed, (dc, found, took) in enumerate(last):
+        ref_dc, ref_found, _ = _decode_run(seed, False, monkeypatch)
+        assert ref_found and _violations(found) == _violations(ref_found)
+        assert _state(dc) == _state(ref_dc)
+        assert took == 40 - 1, took
+
+
+def test_the_guard_lets_go_of_the_last_checkers_tables(monkeypatch):
+    """What ``guard_step`` holds between steps keeps the last checker's
+    tables alive until ``release_held`` (called when kvsan forgets a
+    runner, at its shutdown): then nothing of kvsan's keeps them."""
+    import gc
+    import weakref
+
+    dc, _found, took = _decode_run(0, True, monkeypatch)
+    assert took
+    fast, fill = dc._fast, weakref.ref(dc._np[1])
+    del dc
+    gc.collect()
+    assert fill() is not None  # held by guard_step
+    fast.release_held()
+    gc.collect()
+    assert fill() is None
 
 
 def test_the_faults_cover_every_device_kind(monkeypatch):
@@ -286,7 +328,7 @@ def test_weights_are_odd_and_a_prefix_of_one_sequence():
 
 
 def test_native_guard_rejects_bad_input():
-    fast = native.load("_devicefast", 2)
+    fast = native.load("_devicefast", native.DEVICEFAST_ABI)
     dc = DeviceChecker(NB, BS, emit=lambda v: None)
     lut, fill, sealed = dc._np
     with pytest.raises(ValueError, match="tokens scheduled"):

@@ -93,7 +93,8 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_checksum, *s_sums, *s__tick, *s_SAMPLE_BATCH_STEPS, *s_pending_seal, *s_pending_guard,
     *s_will_seal, *s_pending_release, *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
-    *s_slot_mapping, *s_gpu, *s_req_ids, *s__fast, *s_guard_step, *s_guard_where,
+    *s_slot_mapping, *s_gpu, *s_req_ids, *s__req_ids, *s_req_id_to_index, *s__fast,
+    *s_guard_step, *s_guard_where,
     *s_idle_audited;
 
 /* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
@@ -1694,6 +1695,40 @@ filed:
     return ret;
 }
 
+/* The V1 input batch's ``num_reqs`` and ``req_ids`` (new references in
+ * ``n`` and ``rids``; -1 with an exception).  Both are properties, three
+ * Python frames a step between forward passes (``req_ids`` calls
+ * ``typing.cast``), so what they return is read here where the batch has
+ * it as vLLM 0.32 keeps it: ``len(req_id_to_index)`` (a dict) and the list
+ * ``_req_ids``; else through the properties. */
+static int
+batch_reqs(PyObject *batch, PyObject **n, PyObject **rids)
+{
+    PyObject *index = PyObject_GetAttr(batch, s_req_id_to_index);
+    PyObject *ids = index == NULL ? NULL : PyObject_GetAttr(batch, s__req_ids);
+    if (ids != NULL && PyDict_CheckExact(index) && PyList_CheckExact(ids)) {
+        *n = PyLong_FromSsize_t(PyDict_GET_SIZE(index));
+        Py_DECREF(index);
+        if (*n == NULL) {
+            Py_DECREF(ids);
+            return -1;
+        }
+        *rids = ids;
+        return 0;
+    }
+    PyErr_Clear();
+    Py_XDECREF(index);
+    Py_XDECREF(ids);
+    if ((*n = PyObject_GetAttr(batch, s_num_reqs)) == NULL) {
+        return -1;
+    }
+    if ((*rids = PyObject_GetAttr(batch, s_req_ids)) == NULL) {
+        Py_CLEAR(*n);
+        return -1;
+    }
+    return 0;
+}
+
 /* K_GUARD: the V1 runner's ``_prepare_inputs(scheduler_output,
  * num_scheduled_tokens)``, after vLLM's method ran: the step's write
  * guard on the slot mapping it filled, through kvsan._devicefast's
@@ -1729,13 +1764,12 @@ guard_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
              *slots = NULL, *rids = NULL, *fast = NULL;
     if (dc == NULL
         || (batch = PyObject_GetAttr(runner, s_input_batch)) == NULL
-        || (n = PyObject_GetAttr(batch, s_num_reqs)) == NULL
+        || batch_reqs(batch, &n, &rids) < 0
         || (bt = PyObject_GetAttr(batch, s_block_table)) == NULL
         || (tables = PyObject_GetAttr(bt, s_block_tables)) == NULL
         || (table = PySequence_GetItem(tables, 0)) == NULL
         || (sm = PyObject_GetAttr(table, s_slot_mapping)) == NULL
         || (slots = PyObject_GetAttr(sm, s_gpu)) == NULL
-        || (rids = PyObject_GetAttr(batch, s_req_ids)) == NULL
         || (fast = PyObject_GetAttr(dc, s__fast)) == NULL || fast == Py_None) {
         PyErr_Clear(); /* the Python half meets (and guards) the same */
         got = Py_NewRef(Py_False);
@@ -2432,6 +2466,8 @@ PyInit__hookfast(void)
     INTERN(s_slot_mapping, "slot_mapping");
     INTERN(s_gpu, "gpu");
     INTERN(s_req_ids, "req_ids");
+    INTERN(s__req_ids, "_req_ids");
+    INTERN(s_req_id_to_index, "req_id_to_index");
     INTERN(s__fast, "_fast");
     INTERN(s_guard_step, "guard_step");
     INTERN(s_guard_where, "_prepare_inputs.guard");

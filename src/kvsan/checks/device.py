@@ -306,8 +306,7 @@ class DeviceChecker:
         if self._np is not None:
             if len(blocks) > _LOOP_MAX:
                 return self._np[which][blocks].tolist()
-            mv = self._mv[which]
-            return [mv[b] for b in blocks]
+            return list(map(self._mv[which].__getitem__, blocks))
         table = (self.lut, self.fill, self.sealed_mask)[which]
         return table[torch.as_tensor(blocks, dtype=torch.long, device=table.device)].tolist()
 
@@ -539,6 +538,16 @@ class DeviceChecker:
                 return got
         return [tuple(r) for r in self._sums_tensor(layers, blocks).tolist()]
 
+    def _sums_now(self, layers: Sequence[torch.Tensor], blocks: list[int]) -> list[tuple]:
+        """:meth:`checksums` of a list of blocks, its native path taken
+        inline once :meth:`_native_sums` made this list of cache tensors'
+        host arrays (sealing and verifying run between forward passes,
+        where each Python frame is a cache miss)."""
+        host = self._host_layers
+        if host[0] is layers and host[1] is not None:
+            return self._fast.checksums(host[1], blocks, PERIOD_WEIGHTS, self._chunks_host)
+        return self.checksums(layers, blocks)
+
     def _sums_tensor(self, layers: Sequence[torch.Tensor], blocks: list[int]) -> torch.Tensor:
         """:meth:`checksums` as a ``[blocks, layers]`` int64 tensor on the
         cache's device (not read back)."""
@@ -638,7 +647,12 @@ class DeviceChecker:
             return
         waiting = list(pending)
         bs, blocks = self.block_size, []
-        for b, n, producer in zip(waiting, self._read(1, waiting), self._read(0, waiting)):
+        mv = self._mv
+        if mv is not None and len(waiting) <= _LOOP_MAX:  # (_read's host path, inline)
+            filled, producers = map(mv[1].__getitem__, waiting), map(mv[0].__getitem__, waiting)
+        else:
+            filled, producers = self._read(1, waiting), self._read(0, waiting)
+        for b, n, producer in zip(waiting, filled, producers):
             if n >= bs:
                 blocks.append(b)
                 del pending[b]
@@ -651,8 +665,9 @@ class DeviceChecker:
             if self._defer_sums:
                 self._sums_later("seal", layers, blocks)
             else:
-                for b, s in zip(blocks, self.checksums(layers, blocks)):
-                    self.sums[b] = s
+                sums = self.sums
+                for b, s in zip(blocks, self._sums_now(layers, blocks)):
+                    sums[b] = s
         sealed = self.sealed
         for b in blocks:
             sealed[b] = now
@@ -679,7 +694,9 @@ class DeviceChecker:
         if deferring:
             self._sums_later("verify", layers, blocks, {b: whys[b] for b in blocks})
             return
-        self._compare(blocks, self.checksums(layers, blocks), whys)
+        rows = self._sums_now(layers, blocks)
+        if list(map(self.sums.get, blocks)) != rows:  # (all unchanged: one C comparison)
+            self._compare(blocks, rows, whys)
 
     def _compare(self, blocks: list[int], rows: list[tuple], whys: dict,
                  step: int | None = None) -> None:

@@ -13,6 +13,8 @@ import importlib
 #: over host memory in C, same results) when in use, else None.  Read when a
 #: :class:`kvsan.checks.device.DeviceChecker` is made.
 DEVICEFAST = None
+#: the version of ``kvsan._devicefast``'s interface this code calls (its ``ABI``)
+DEVICEFAST_ABI = 3
 
 
 def load(name: str, abi: int):
@@ -31,7 +33,7 @@ def use_devicefast(on: bool = True) -> bool:
     """Device checkers made from now on use ``kvsan._devicefast`` (``on``
     False: numpy and torch only).  Returns whether it is in use."""
     global DEVICEFAST
-    DEVICEFAST = load("_devicefast", 2) if on else None
+    DEVICEFAST = load("_devicefast", DEVICEFAST_ABI) if on else None
     return DEVICEFAST is not None
 
 

@@ -29,6 +29,7 @@ from time import perf_counter as _perf_counter
 
 from .. import hooks as _hooks
 from .. import runtime as _rt
+from ..checks import native
 from ..checks.device import DeviceChecker
 from . import Target, guard_failed
 from .vllm_allocator import _guard
@@ -488,6 +489,8 @@ def forget_runner(runner=None) -> None:
             last[:] = [None, None]
     if runner is None:
         _unsealed.clear()
+    if native.DEVICEFAST is not None:  # the buffers guard_step holds between steps
+        native.DEVICEFAST.release_held()
 
 
 def targets() -> list[Target]:
