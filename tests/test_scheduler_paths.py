@@ -370,6 +370,61 @@ def test_preemption_that_keeps_the_blocks(rt):
     assert v[0].site.startswith("test_scheduler_paths.py"), v[0].site  # its caller here
 
 
+def test_preemptions_and_aborts_checked_in_c_and_faults_still_reported(rt):
+    """Once the Python check has handled a preemption, the native hooks on
+    ``Scheduler._preempt_request`` and ``finish_requests`` pass clean ones
+    themselves (a preemption counted as the Python check counts it); a
+    preemption that keeps its blocks and an abort that skips the release
+    are still reported, each with its request, every block it holds and
+    its caller."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from kvsan import hooks
+
+    preempt, finish = (hooks.native_hook(Scheduler.__dict__[a])
+                       for a in ("_preempt_request", "finish_requests"))
+    sched = running("P0", "P1", "P2", "P3", "P4", token=880)
+    ck = rt.checkers[sched.kv_cache_manager.block_pool]
+    for rid in ("P0", "P1", "P2"):
+        sched.running.remove(sched.requests[rid])  # as vLLM pops it before preempting
+    sched._preempt_request(sched.requests["P0"], 0.0)  # the Python check, once
+    calls = (preempt.calls, finish.calls) if preempt is not None else (0, 0)
+    sched._preempt_request(sched.requests["P1"], 0.0)
+    sched.finish_requests(["P1"], RequestStatus.FINISHED_ABORTED)
+    if preempt is not None:  # both in C
+        assert (preempt.calls, finish.calls) == (calls[0] + 1, calls[1] + 1)
+    assert ck.counters["preempted"] == 2 and kinds_of(rt) == []
+
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    pop = manager.pop_blocks_for_free
+
+    def keeps_blocks(request_id):  # the table goes, the blocks are never freed
+        if request_id != "P2":
+            return pop(request_id)
+        manager.num_cached_block.pop(request_id, None)
+        manager.req_to_blocks.pop(request_id)
+        return []
+
+    manager.pop_blocks_for_free = keeps_blocks
+    held = sorted(b.block_id for b in manager.req_to_blocks["P2"])
+    sched._preempt_request(sched.requests["P2"], 0.0)
+    v = only(rt, "leaked_blocks")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["P2"], held)]
+    assert "preempted" in v[0].message and v[0].site.startswith("test_scheduler_paths.py")
+    rt.clear()
+
+    held = sorted(sched.kv_cache_manager.get_block_ids("P4")[0])
+    sched._free_request = lambda request, delay_free_blocks=False: sched.requests.pop(
+        request.request_id) and None  # the instance attribute: kvsan's hook is bypassed
+    sched.finish_requests(["P4"], RequestStatus.FINISHED_ABORTED)
+    v = only(rt, "leaked_blocks")
+    assert [(x.owners, sorted(x.blocks)) for x in v] == [(["P4"], held)]
+    assert v[0].site.startswith("test_scheduler_paths.py"), v[0].site
+    if preempt is not None:  # both faults went through the native hooks to Python
+        assert (preempt.calls, finish.calls) == (calls[0] + 1, calls[1] + 1)
+
+
 def test_clean_ends_stay_native_while_another_free_is_delayed(rt):
     """A KV connector delays G0's free: G0 stays pending.  The ends of G1
     and G2 meanwhile are clean and are still filed by the native hook (it

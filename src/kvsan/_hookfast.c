@@ -48,14 +48,15 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 10
+#define KVSAN_HOOKFAST_ABI 11
 
 #include "_capi.h"
 #include "_slots.h"
 #include <structmember.h>
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
-       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_UPDATE = 10, K_N = 11 };
+       K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_UPDATE = 10, K_PREEMPT = 11,
+       K_FINISH = 12, K_N = 13 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -83,7 +84,7 @@ static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
 static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
-    *s_num_full, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
+    *s_num_full, *s_preempted, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
     *s_requests, *s_req_to_blocks, *s_kv_cache_group_id, *s_is_null, *s_dropped, *s_block_id,
     *s_remove_blocks, *zero, *one;
 /* the worker side's (K_STEP, K_GUARD) */
@@ -827,10 +828,33 @@ state_for(PyObject *st, PyObject *rt, PyObject *obj)
  * AllocatorChecker._note_end does).  ``h->state`` is set by that Python
  * function once it handled a call: (weak ref to the runtime, weak ref to
  * the scheduler, recent_ends, shadow.held, pending_release, status -> text,
- * RECENT_ENDS, the scheduler's single-type managers).  Anything else -- no
+ * RECENT_ENDS, the scheduler's single-type managers, the checker's
+ * counters); the PREEMPT and FINISH hooks get the same.  Anything else -- no
  * state for this runtime or scheduler, a status not seen yet, something to
  * report, a failure of its own -- goes to ``post(scheduler, request)``, the
  * Python check, which decides. */
+/* 0 when no manager of ``managers`` (the scheduler's single-type
+ * managers) lists blocks for request ``rid`` in its block tables
+ * (``req_to_blocks``); 1 when one does; -1 error */
+static int
+listed(PyObject *managers, PyObject *rid)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(managers); i++) {
+        PyObject *tables = PyObject_GetAttr(PyTuple_GET_ITEM(managers, i), s_req_to_blocks);
+        if (tables == NULL || !PyDict_Check(tables)) {
+            Py_XDECREF(tables);
+            return -1;
+        }
+        PyObject *left = PyDict_GetItemWithError(tables, rid);
+        int stale = left == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(left);
+        Py_DECREF(tables);
+        if (stale != 0) {
+            return stale;
+        }
+    }
+    return 0;
+}
+
 static int
 end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
 {
@@ -860,21 +884,8 @@ end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
     if (text == NULL || PyDict_Contains(requests, rid) != 0) {
         goto out; /* a status not seen yet, or a delayed free */
     }
-    if (PySequence_Contains(held, rid) != 0) {
+    if (PySequence_Contains(held, rid) != 0 || listed(managers, rid) != 0) {
         goto out; /* it still holds blocks (or the map failed: Python decides) */
-    }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(managers); i++) {
-        PyObject *tables = PyObject_GetAttr(PyTuple_GET_ITEM(managers, i), s_req_to_blocks);
-        if (tables == NULL || !PyDict_Check(tables)) {
-            Py_XDECREF(tables);
-            goto out;
-        }
-        PyObject *left = PyDict_GetItemWithError(tables, rid);
-        int stale = left == NULL ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(left);
-        Py_DECREF(tables);
-        if (stale != 0) {
-            goto out;
-        }
     }
     /* clean: ends.pop(rid, None); ends[rid] = (text, rt.step); trimmed */
     step = PyObject_GetAttr(rt, s_step);
@@ -942,6 +953,101 @@ end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *
         }
     }
     Py_DECREF(request);
+    Py_DECREF(sched);
+    Py_DECREF(st);
+    Py_DECREF(rt);
+    return ret;
+}
+
+/* K_PREEMPT: ``Scheduler._preempt_request(request, timestamp, ...)``,
+ * after vLLM's method ran: the preempted request must hold nothing until
+ * it resumes, as kvsan.hooks.vllm_allocator._preempted checks it.  The
+ * clean case -- no delayed free of its own pending, nothing held in the
+ * shadow table, no manager's block table listing it -- is counted here
+ * (the checker's ``preempted`` counter, as
+ * AllocatorChecker.on_request_released counts it); anything else goes to
+ * ``post(scheduler, request)``.  1 counted, 0 not (nothing changed). */
+static int
+preempt_clean(PyObject *st, PyObject *request)
+{
+    PyObject *held = PyTuple_GET_ITEM(st, 3), *pending = PyTuple_GET_ITEM(st, 4);
+    PyObject *managers = PyTuple_GET_ITEM(st, 7), *counters = PyTuple_GET_ITEM(st, 8);
+    int ok = 0;
+    PyObject *rid = PyObject_GetAttr(request, s_request_id);
+    if (rid == NULL || !PyUnicode_CheckExact(rid)
+        || (PyDict_GET_SIZE(pending) != 0 && PyDict_Contains(pending, rid) != 0)
+        || PySequence_Contains(held, rid) != 0 || listed(managers, rid) != 0) {
+        goto out;
+    }
+    PyObject *had = PyDict_GetItemWithError(counters, s_preempted); /* borrowed */
+    long long n = had == NULL ? 0 : PyLong_AsLongLong(had);
+    if (PyErr_Occurred()) {
+        goto out;
+    }
+    PyObject *now_n = PyLong_FromLongLong(n + 1);
+    ok = now_n != NULL && PyDict_SetItem(counters, s_preempted, now_n) == 0;
+    Py_XDECREF(now_n);
+out:
+    PyErr_Clear();
+    Py_XDECREF(rid);
+    return ok;
+}
+
+/* K_FINISH: ``Scheduler.finish_requests(request_ids, finished_status)``,
+ * after vLLM's method ran: every request it finished (its result, a list
+ * of Requests) went through ``_free_request`` (filed in the checker's
+ * recent ends) or has its delayed free pending, as
+ * kvsan.hooks.vllm_allocator._finished checks it; anything else -- an
+ * abort path that skipped the release -- goes to ``post(scheduler,
+ * result)``.  1 clean, 0 not. */
+static int
+finish_clean(PyObject *st, PyObject *ret)
+{
+    PyObject *ends = PyTuple_GET_ITEM(st, 2), *pending = PyTuple_GET_ITEM(st, 4);
+    if (!PyList_CheckExact(ret)) {
+        return 0;
+    }
+    int ok = 1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ret) && ok; i++) {
+        PyObject *rid = PyObject_GetAttr(PyList_GET_ITEM(ret, i), s_request_id);
+        ok = rid != NULL && PyUnicode_CheckExact(rid)
+             && (PyDict_Contains(ends, rid) == 1 || PyDict_Contains(pending, rid) == 1);
+        Py_XDECREF(rid);
+    }
+    PyErr_Clear();
+    return ok;
+}
+
+/* the PREEMPT and FINISH routes: vLLM's method, then the clean case in C
+ * (``request``: the preempted one; NULL: finish_requests, whose result is
+ * checked), else ``post(scheduler, request or result)`` */
+static PyObject *
+ended_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames,
+           PyObject *request)
+{
+    PyObject *st = h->state;
+    if (!state_for(st, rt, args[0])) {
+        return SLOW();
+    }
+    Py_INCREF(rt);
+    Py_INCREF(st); /* the call may replace it */
+    Py_XINCREF(request);
+    PyObject *sched = Py_NewRef(args[0]);
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) {
+        double t0 = now();
+        int done = running() == rt
+                   && (request != NULL ? preempt_clean(st, request) : finish_clean(st, ret));
+        PyErr_Clear();
+        double dt = now() - t0;
+        if (done) {
+            took(h, rt, dt);
+        } else {
+            PyObject *pargv[2] = {sched, request != NULL ? request : ret};
+            post(h, pargv, 2, &ret);
+        }
+    }
+    Py_XDECREF(request);
     Py_DECREF(sched);
     Py_DECREF(st);
     Py_DECREF(rt);
@@ -1850,6 +1956,13 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             return sched_call(h, rt, args, nargsf, kwnames);
         case K_UPDATE:
             return update_call(h, rt, args, nargsf, kwnames);
+        case K_PREEMPT: {
+            PyObject *request = arg(args, nargs, kwnames, 1, s_request); /* borrowed */
+            return request == NULL ? SLOW()
+                                   : ended_call(h, rt, args, nargsf, kwnames, request);
+        }
+        case K_FINISH:
+            return ended_call(h, rt, args, nargsf, kwnames, NULL);
         default:
             return SLOW();
         }
@@ -2171,7 +2284,8 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
         value = Py_None;
     }
     int ok = value == Py_None;
-    if (!ok && h->kind == K_END && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 8) {
+    if (!ok && (h->kind == K_END || h->kind == K_PREEMPT || h->kind == K_FINISH)
+        && PyTuple_CheckExact(value) && PyTuple_GET_SIZE(value) == 9) {
         ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
              && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
         for (int i = 2; i < 6; i++) {
@@ -2182,7 +2296,8 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
                          : PyDict_CheckExact(o);
         }
         ok &= PyLong_CheckExact(PyTuple_GET_ITEM(value, 6))
-              && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7));
+              && PyTuple_CheckExact(PyTuple_GET_ITEM(value, 7))
+              && PyDict_Check(PyTuple_GET_ITEM(value, 8)); /* (a Counter) */
     }
     if (!ok && (h->kind == K_SCHED || h->kind == K_UPDATE) && PyTuple_CheckExact(value)
         && PyTuple_GET_SIZE(value) == 3) {
@@ -2201,8 +2316,9 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
     }
     if (!ok) {
         PyErr_SetString(PyExc_TypeError,
-                        "state: None; for an END hook (weak ref, weak ref, dict, held owners "
-                        "(a container), dict, dict, int, tuple); for a STEP hook (weak ref, "
+                        "state: None; for an END, PREEMPT or FINISH hook (weak ref, weak "
+                        "ref, dict, held owners (a container), dict, dict, int, tuple, dict); "
+                        "for a STEP hook (weak ref, "
                         "list, dict, callable, callable); for a GUARD hook (weak ref, list, "
                         "None); for a SCHED or UPDATE hook (weak ref, weak ref, checker)");
         return -1;
@@ -2422,6 +2538,7 @@ PyInit__hookfast(void)
     INTERN(s_num_cached, "num_cached_blocks");
     INTERN(s_num_full, "num_full_blocks");
     INTERN(s_request_id, "request_id");
+    INTERN(s_preempted, "preempted");
     INTERN(s_new_computed_blocks, "new_computed_blocks");
     INTERN(s_block_pool, "block_pool");
     INTERN(s_checked, "checked");
@@ -2488,6 +2605,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "HITS", K_HITS) < 0
         || PyModule_AddIntConstant(m, "END", K_END) < 0
         || PyModule_AddIntConstant(m, "SKIP", K_SKIP) < 0
+        || PyModule_AddIntConstant(m, "PREEMPT", K_PREEMPT) < 0
+        || PyModule_AddIntConstant(m, "FINISH", K_FINISH) < 0
         || PyModule_AddIntConstant(m, "STEP", K_STEP) < 0
         || PyModule_AddIntConstant(m, "GUARD", K_GUARD) < 0
         || PyModule_AddIntConstant(m, "SCHED", K_SCHED) < 0

@@ -688,53 +688,82 @@ def _request_ended(sched, request) -> None:
         rt.overhead_s += _perf_counter() - t0
 
 
+#: the scheduler's methods whose native hooks check its clean request ends
+#: and preemptions (kvsan._hookfast's END, PREEMPT and FINISH routes)
+_END_HOOKS = ("_free_request", "_preempt_request", "finish_requests")
+
+
 def _hand_ends_to_native(rt, sched, ck) -> None:
-    """From now on the native hook on ``_free_request`` (when there is one)
-    checks ``sched``'s clean request ends itself (kvsan._hookfast's
-    end_call), with the same dicts as here."""
-    hook = _hooks.native_hook(getattr(type(sched), "_free_request", None))
-    if hook is None:
-        return
-    st = hook.state
-    if st is not None and st[0]() is rt and st[1]() is sched:
-        return
-    try:
-        managers = tuple(sched.kv_cache_manager.coordinator.single_type_managers)
-        hook.state = (weakref.ref(rt), weakref.ref(sched), ck.recent_ends, ck.shadow.held,
-                      ck.pending_release, _STATUS_TEXT, ck.RECENT_ENDS, managers)
-    except (AttributeError, TypeError):  # another scheduler layout: Python checks it
-        pass
+    """From now on the native hooks on ``_free_request``,
+    ``_preempt_request`` and ``finish_requests`` (where there are) check
+    ``sched``'s clean request ends, preemptions and aborts themselves
+    (kvsan._hookfast's end_call and ended_call), with the same dicts as
+    here; any other call still comes here."""
+    state = None
+    for attr in _END_HOOKS:
+        hook = _hooks.native_hook(getattr(type(sched), attr, None))
+        if hook is None:
+            continue
+        st = hook.state
+        if st is not None and st[0]() is rt and st[1]() is sched:
+            continue
+        if state is None:
+            try:
+                managers = tuple(sched.kv_cache_manager.coordinator.single_type_managers)
+                state = (weakref.ref(rt), weakref.ref(sched), ck.recent_ends, ck.shadow.held,
+                         ck.pending_release, _STATUS_TEXT, ck.RECENT_ENDS, managers,
+                         ck._counters)
+                hook.state = state
+            except (AttributeError, TypeError):  # another scheduler layout: Python checks it
+                return
+        else:
+            hook.state = state
 
 
 def _preempt_request(wrapped, instance, args, kwargs):
-    """After a preemption's release path: the request must hold nothing
-    until it resumes (it comes back, so this is not its end)."""
     ret = wrapped(*args, **kwargs)
+    _preempted(instance, args[0] if args else kwargs["request"])
+    return ret
+
+
+def _preempted(sched, request) -> None:
+    """After a preemption's release path: the request must hold nothing
+    until it resumes (it comes back, so this is not its end).  Where
+    ``kvsan._hookfast`` is built, its PREEMPT hook counts the clean ones
+    itself and hands this the rest."""
     rt = _rt._runtime
-    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    ck = _scheduler_checker(rt, sched) if rt is not None else None
     if ck is None:
-        return ret
+        return
     t0 = _perf_counter()  # guarded inline, as _guard does
     try:
-        rid = (args[0] if args else kwargs["request"]).request_id
+        rid = request.request_id
         # the call site is read only for a request with something to report
         site = call_site(1) if ck.shadow.held.get(rid) else "?"
         ck.on_request_released(rid, "preempted", site, False)
-        _stale_tables(rt, ck, instance, rid, None if site == "?" else site)
+        _stale_tables(rt, ck, sched, rid, None if site == "?" else site)
+        if _hooks.HOOKFAST is not None:
+            _hand_ends_to_native(rt, sched, ck)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_preempt_request", e)  # a violation (raise / abort modes) propagates
     finally:
         rt.overhead_s += _perf_counter() - t0
-    return ret
 
 
 def _finish_requests(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    _finished(instance, ret)
+    return ret
+
+
+def _finished(sched, ret) -> None:
     """After requests finished from outside the scheduler (aborts): each must
     hold nothing.  vLLM's own path checks them already (``_free_request``,
-    which records their end); this catches an abort path that skipped it."""
-    ret = wrapped(*args, **kwargs)
+    which records their end); this catches an abort path that skipped it.
+    Where ``kvsan._hookfast`` is built, its FINISH hook passes the calls
+    whose requests all ended that way and hands this the rest."""
     rt = _rt._runtime
-    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    ck = _scheduler_checker(rt, sched) if rt is not None else None
     if ck is not None and ret:
         ends, pending = ck.recent_ends, ck.pending_release
         todo = [r for r in ret if r.request_id not in ends and r.request_id not in pending]
@@ -745,7 +774,8 @@ def _finish_requests(wrapped, instance, args, kwargs):
                 for request in todo:
                     ck.on_request_released(request.request_id, _status(request), site)
             _guard(rt, "finish_requests", check)
-    return ret
+        if _hooks.HOOKFAST is not None:
+            _guard(rt, "finish_requests", _hand_ends_to_native, rt, sched, ck)
 
 
 def _remove_blocks_in_range(wrapped, instance, args, kwargs):
@@ -849,6 +879,8 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
                fast=("UPDATE", _update_ends)),
         Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
-        Target(_SCHED, "Scheduler._preempt_request", _preempt_request),
-        Target(_SCHED, "Scheduler.finish_requests", _finish_requests),
+        Target(_SCHED, "Scheduler._preempt_request", _preempt_request,
+               fast=("PREEMPT", _preempted)),
+        Target(_SCHED, "Scheduler.finish_requests", _finish_requests,
+               fast=("FINISH", _finished)),
     ]
