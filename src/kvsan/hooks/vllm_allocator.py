@@ -699,28 +699,26 @@ def _hand_ends_to_native(rt, sched, ck) -> None:
     ``sched``'s clean request ends, preemptions and aborts themselves
     (kvsan._hookfast's end_call and ended_call), with the same dicts as
     here; any other call still comes here."""
-    state = None
+    todo = []
     for attr in _END_HOOKS:
         hook = _hooks.native_hook(getattr(type(sched), attr, None))
-        if hook is None:
-            continue
-        st = hook.state
-        if st is not None and st[0]() is rt and st[1]() is sched:
-            continue
-        if state is None:
-            try:
-                managers = tuple(sched.kv_cache_manager.coordinator.single_type_managers)
-                state = (weakref.ref(rt), weakref.ref(sched), ck.recent_ends, ck.shadow.held,
-                         ck.pending_release, _STATUS_TEXT, ck.RECENT_ENDS, managers,
-                         ck._counters)
-                hook.state = state
-            except (AttributeError, TypeError):  # another scheduler layout: Python checks it
-                return
-        else:
+        st = hook.state if hook is not None else None
+        if hook is not None and (st is None or st[0]() is not rt or st[1]() is not sched):
+            todo.append(hook)
+    if not todo:
+        return
+    try:
+        managers = tuple(sched.kv_cache_manager.coordinator.single_type_managers)
+        state = (weakref.ref(rt), weakref.ref(sched), ck.recent_ends, ck.shadow.held,
+                 ck.pending_release, _STATUS_TEXT, ck.RECENT_ENDS, managers, ck._counters)
+        for hook in todo:
             hook.state = state
+    except (AttributeError, TypeError):  # another scheduler layout: Python checks it
+        pass
 
 
 def _preempt_request(wrapped, instance, args, kwargs):
+    """vLLM's ``_preempt_request``, then :func:`_preempted`."""
     ret = wrapped(*args, **kwargs)
     _preempted(instance, args[0] if args else kwargs["request"])
     return ret
@@ -751,6 +749,7 @@ def _preempted(sched, request) -> None:
 
 
 def _finish_requests(wrapped, instance, args, kwargs):
+    """vLLM's ``finish_requests``, then :func:`_finished`."""
     ret = wrapped(*args, **kwargs)
     _finished(instance, ret)
     return ret
