@@ -133,7 +133,7 @@ def test_workercost_times_the_worker_side_on_the_engine():
     res = workercost.bench(rounds=1)
     rows = res["rows"]
     assert res["steps"] > 0 and res["device_us"] > 0
-    for name in ("_begin", "DeviceChecker.checksums", "_prepare_inputs (native hook)",
+    for name in ("_begin", "DeviceChecker._sums_now", "_prepare_inputs (native hook)",
                  "execute_model (native hook)"):
         assert rows[name]["calls_per_step"] > 0 and rows[name]["us_per_call"] > 0, name
     assert "inclusive" in workercost.markdown(res)

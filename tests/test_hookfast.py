@@ -34,7 +34,7 @@ def test_native_hooks_are_installed(rt):
 
     from kvsan import _hookfast, hooks
 
-    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == 10
+    assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == hooks.HOOKFAST_ABI
     # the call context and the events go to the C functions of _frames and
     # _shadowfast directly, not through their Python methods
     direct = _hookfast.direct()

@@ -248,6 +248,8 @@ SHADOWFAST = None
 #: the native hooks (``kvsan._hookfast``) when in use, else None (methods
 #: patched while it is set get them; see :attr:`Target.fast`)
 HOOKFAST = None
+#: the version of ``kvsan._hookfast``'s interface this code calls (its ``ABI``)
+HOOKFAST_ABI = 11
 #: ``kvsan._hookfast.Hook`` once the module was loaded (hooks made while it
 #: was in use stay installed when it is switched off)
 _HOOK_TYPE = None
@@ -278,7 +280,7 @@ def use_native(on: bool = True) -> bool:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", 9)
-    hookfast = native.load("_hookfast", 11)
+    hookfast = native.load("_hookfast", HOOKFAST_ABI)
     if hookfast is not None and NATIVE is not None and SHADOWFAST is not None:
         hookfast.configure(vars(_runtime), NATIVE.context, pool_checker, guard_failed)
         HOOKFAST, _HOOK_TYPE = hookfast, hookfast.Hook
