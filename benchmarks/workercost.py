@@ -35,8 +35,8 @@ from .common import ENV, native_hooks, table
 WORKER_FUNCTIONS = ("_begin", "_step_ends", "_seal_left", "_guard_step", "_native_guard",
                     "_native_step_ends", "_native_scrub", "_hand_to_native", "_layers")
 #: the device checker's methods (``kvsan.checks.device.DeviceChecker``)
-CHECKER_METHODS = ("add_step", "drop_requests", "verify_step", "verify", "_sums_now", "checksums", "seal",
-                   "will_seal", "guard")
+CHECKER_METHODS = ("add_step", "drop_requests", "verify_step", "verify", "_sums_now", "checksums",
+                   "seal", "will_seal", "guard")
 
 
 def _timed(acc: dict, label: str, fn):

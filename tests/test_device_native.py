@@ -27,8 +27,8 @@ def _make(path: str, found: list, monkeypatch, device: str = "cpu") -> DeviceChe
     """``device``: where the cache tensors live, and the "torch" path's
     tables (``benchmarks.cuda_device`` runs the paths on a GPU against the
     host paths)."""
-    monkeypatch.setattr(native, "DEVICEFAST",
-                        native.load("_devicefast", native.DEVICEFAST_ABI) if path in ("c", "deferred") else None)
+    fast = native.load("_devicefast", native.DEVICEFAST_ABI)
+    monkeypatch.setattr(native, "DEVICEFAST", fast if path in ("c", "deferred") else None)
     dc = DeviceChecker(NB, BS, emit=found.append, checksum="all", poison=True,
                        host_tables=path != "torch", device=device,
                        defer_guard=True if path == "deferred" else None,

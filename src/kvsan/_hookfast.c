@@ -84,7 +84,8 @@ static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
 static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
-    *s_num_full, *s_preempted, *s_request_id, *s_new_computed_blocks, *s_block_pool, *s_checked, *s_status,
+    *s_num_full, *s_preempted, *s_request_id, *s_new_computed_blocks, *s_block_pool,
+    *s_checked, *s_status,
     *s_requests, *s_req_to_blocks, *s_kv_cache_group_id, *s_is_null, *s_dropped, *s_block_id,
     *s_remove_blocks, *zero, *one;
 /* the worker side's (K_STEP, K_GUARD) */
@@ -819,20 +820,6 @@ state_for(PyObject *st, PyObject *rt, PyObject *obj)
            && (obj == NULL || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(st, 1)) == obj);
 }
 
-/* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
- * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
- * for the clean case -- the scheduler no longer tracks the request (no
- * delayed free), no delayed free of its own is pending, the request holds
- * nothing in the shadow table and no manager's block table still lists it
- * -- where it only files the end (``recent_ends``, as
- * AllocatorChecker._note_end does).  ``h->state`` is set by that Python
- * function once it handled a call: (weak ref to the runtime, weak ref to
- * the scheduler, recent_ends, shadow.held, pending_release, status -> text,
- * RECENT_ENDS, the scheduler's single-type managers, the checker's
- * counters); the PREEMPT and FINISH hooks get the same.  Anything else -- no
- * state for this runtime or scheduler, a status not seen yet, something to
- * report, a failure of its own -- goes to ``post(scheduler, request)``, the
- * Python check, which decides. */
 /* 0 when no manager of ``managers`` (the scheduler's single-type
  * managers) lists blocks for request ``rid`` in its block tables
  * (``req_to_blocks``); 1 when one does; -1 error */
@@ -855,6 +842,20 @@ listed(PyObject *managers, PyObject *rid)
     return 0;
 }
 
+/* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
+ * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
+ * for the clean case -- the scheduler no longer tracks the request (no
+ * delayed free), no delayed free of its own is pending, the request holds
+ * nothing in the shadow table and no manager's block table still lists it
+ * -- where it only files the end (``recent_ends``, as
+ * AllocatorChecker._note_end does).  ``h->state`` is set by that Python
+ * function once it handled a call: (weak ref to the runtime, weak ref to
+ * the scheduler, recent_ends, shadow.held, pending_release, status -> text,
+ * RECENT_ENDS, the scheduler's single-type managers, the checker's
+ * counters); the PREEMPT and FINISH hooks get the same.  Anything else -- no
+ * state for this runtime or scheduler, a status not seen yet, something to
+ * report, a failure of its own -- goes to ``post(scheduler, request)``, the
+ * Python check, which decides. */
 static int
 end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
 {
