@@ -341,6 +341,23 @@ def test_request_ends_checked_in_c_and_faults_still_reported(rt):
         assert hook.calls == calls + 1  # both faults went to the Python check
 
 
+def _keeps_blocks(sched, rid: str) -> list[int]:
+    """A fault: ``rid``'s free drops its block table but never returns its
+    blocks (the blocks it holds, returned, stay held for good)."""
+    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
+    pop = manager.pop_blocks_for_free
+
+    def keeps_blocks(request_id):
+        if request_id != rid:
+            return pop(request_id)
+        manager.num_cached_block.pop(request_id, None)
+        manager.req_to_blocks.pop(request_id)
+        return []
+
+    manager.pop_blocks_for_free = keeps_blocks
+    return sorted(b.block_id for b in manager.req_to_blocks[rid])
+
+
 def test_preemption_that_keeps_the_blocks(rt):
     """A preemption whose release path never returns the request's blocks:
     reported when the preemption returns (``leaked_blocks``, the request
@@ -351,18 +368,7 @@ def test_preemption_that_keeps_the_blocks(rt):
         sched.running.remove(sched.requests[rid])  # as vLLM pops it before preempting
     sched._preempt_request(sched.requests["Q0"], 0.0)
     assert kinds_of(rt) == []
-    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
-    pop = manager.pop_blocks_for_free
-
-    def keeps_blocks(request_id):  # the table goes, the blocks are never freed
-        if request_id != "Q1":
-            return pop(request_id)
-        manager.num_cached_block.pop(request_id, None)
-        manager.req_to_blocks.pop(request_id)
-        return []
-
-    manager.pop_blocks_for_free = keeps_blocks
-    held = sorted(b.block_id for b in manager.req_to_blocks["Q1"])
+    held = _keeps_blocks(sched, "Q1")
     sched._preempt_request(sched.requests["Q1"], 0.0)
     v = only(rt, "leaked_blocks")
     assert [(x.owners, sorted(x.blocks)) for x in v] == [(["Q1"], held)]
@@ -396,18 +402,7 @@ def test_preemptions_and_aborts_checked_in_c_and_faults_still_reported(rt):
         assert (preempt.calls, finish.calls) == (calls[0] + 1, calls[1] + 1)
     assert ck.counters["preempted"] == 2 and kinds_of(rt) == []
 
-    manager = sched.kv_cache_manager.coordinator.single_type_managers[0]
-    pop = manager.pop_blocks_for_free
-
-    def keeps_blocks(request_id):  # the table goes, the blocks are never freed
-        if request_id != "P2":
-            return pop(request_id)
-        manager.num_cached_block.pop(request_id, None)
-        manager.req_to_blocks.pop(request_id)
-        return []
-
-    manager.pop_blocks_for_free = keeps_blocks
-    held = sorted(b.block_id for b in manager.req_to_blocks["P2"])
+    held = _keeps_blocks(sched, "P2")
     sched._preempt_request(sched.requests["P2"], 0.0)
     v = only(rt, "leaked_blocks")
     assert [(x.owners, sorted(x.blocks)) for x in v] == [(["P2"], held)]

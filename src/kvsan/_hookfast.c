@@ -14,8 +14,10 @@
  * makes its producer records (identity_observe), and a fifth kind, HITS, on
  * ``KVCacheCoordinator.allocate_new_computed_blocks``, makes its hit check
  * (hits_call), both through kvsan's own C functions for the clean case.  A
- * sixth, END, on ``Scheduler._free_request``, files a clean request end
- * (end_call).  A seventh, SKIP, on
+ * sixth, END, on ``Scheduler._free_request``, files a clean request end,
+ * and PREEMPT and FINISH, on ``Scheduler._preempt_request`` and
+ * ``finish_requests``, pass a clean preemption or abort (ended_call).  A
+ * seventh, SKIP, on
  * ``SingleTypeKVCacheManager._remove_blocks_in_range``, lets through the
  * calls that remove nothing (skip_call).  On the scheduler's step, SCHED,
  * on ``Scheduler.schedule``, ships the pool's step journal to the workers
@@ -136,7 +138,7 @@ typedef struct {
     PyObject *observer; /* K_CACHE: a further hook's second half, or None */
     PyObject *identity; /* K_CACHE / K_HITS: the identity audit's clean route in C,
                          * or None (see identity_observe, hits_call) */
-    PyObject *state;    /* K_END: the request-end check's state (see end_call), or None */
+    PyObject *state;    /* K_END etc.: the request-end check's state (see end_clean), or None */
     PyObject *dict;     /* __dict__ (__wrapped__, __name__, __kvsan_patched__) */
     vectorcallfunc vectorcall;
     unsigned long long calls; /* calls that took the native route */
@@ -926,40 +928,6 @@ out:
     return ok;
 }
 
-static PyObject *
-end_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    PyObject *st = h->state;
-    PyObject *request = arg(args, nargs, kwnames, 1, s_request); /* borrowed */
-    if (request == NULL || !state_for(st, rt, args[0])) {
-        return SLOW();
-    }
-    Py_INCREF(rt);
-    Py_INCREF(st); /* the call may replace it */
-    Py_INCREF(request);
-    PyObject *sched = Py_NewRef(args[0]);
-    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
-    if (ret != NULL) {
-        double t0 = now();
-        PyObject *cur = running();
-        int done = cur == rt && end_clean(st, rt, sched, request);
-        PyErr_Clear();
-        double dt = now() - t0;
-        if (done) {
-            took(h, rt, dt);
-        } else {
-            PyObject *pargv[2] = {sched, request};
-            post(h, pargv, 2, &ret);
-        }
-    }
-    Py_DECREF(request);
-    Py_DECREF(sched);
-    Py_DECREF(st);
-    Py_DECREF(rt);
-    return ret;
-}
-
 /* K_PREEMPT: ``Scheduler._preempt_request(request, timestamp, ...)``,
  * after vLLM's method ran: the preempted request must hold nothing until
  * it resumes, as kvsan.hooks.vllm_allocator._preempted checks it.  The
@@ -1019,9 +987,10 @@ finish_clean(PyObject *st, PyObject *ret)
     return ok;
 }
 
-/* the PREEMPT and FINISH routes: vLLM's method, then the clean case in C
- * (``request``: the preempted one; NULL: finish_requests, whose result is
- * checked), else ``post(scheduler, request or result)`` */
+/* the END, PREEMPT and FINISH routes: vLLM's method, then the clean case
+ * in C (end_clean, preempt_clean, finish_clean; ``request``: the ending or
+ * preempted one, NULL for finish_requests, whose result is checked), else
+ * ``post(scheduler, request or result)``, the Python check */
 static PyObject *
 ended_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames,
            PyObject *request)
@@ -1038,7 +1007,9 @@ ended_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     if (ret != NULL) {
         double t0 = now();
         int done = running() == rt
-                   && (request != NULL ? preempt_clean(st, request) : finish_clean(st, ret));
+                   && (h->kind == K_END       ? end_clean(st, rt, sched, request)
+                       : h->kind == K_PREEMPT ? preempt_clean(st, request)
+                                              : finish_clean(st, ret));
         PyErr_Clear();
         double dt = now() - t0;
         if (done) {
@@ -1946,7 +1917,13 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
         case K_HITS:
             return hits_call(h, rt, args, nargsf, kwnames);
         case K_END:
-            return end_call(h, rt, args, nargsf, kwnames);
+        case K_PREEMPT: {
+            PyObject *request = arg(args, nargs, kwnames, 1, s_request); /* borrowed */
+            return request == NULL ? SLOW()
+                                   : ended_call(h, rt, args, nargsf, kwnames, request);
+        }
+        case K_FINISH:
+            return ended_call(h, rt, args, nargsf, kwnames, NULL);
         case K_SKIP:
             return skip_call(h, rt, args, nargsf, kwnames);
         case K_STEP:
@@ -1957,13 +1934,6 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             return sched_call(h, rt, args, nargsf, kwnames);
         case K_UPDATE:
             return update_call(h, rt, args, nargsf, kwnames);
-        case K_PREEMPT: {
-            PyObject *request = arg(args, nargs, kwnames, 1, s_request); /* borrowed */
-            return request == NULL ? SLOW()
-                                   : ended_call(h, rt, args, nargsf, kwnames, request);
-        }
-        case K_FINISH:
-            return ended_call(h, rt, args, nargsf, kwnames, NULL);
         default:
             return SLOW();
         }

@@ -697,7 +697,7 @@ def _hand_ends_to_native(rt, sched, ck) -> None:
     """From now on the native hooks on ``_free_request``,
     ``_preempt_request`` and ``finish_requests`` (where there are) check
     ``sched``'s clean request ends, preemptions and aborts themselves
-    (kvsan._hookfast's end_call and ended_call), with the same dicts as
+    (kvsan._hookfast's ended_call), with the same dicts as
     here; any other call still comes here."""
     todo = []
     for attr in _END_HOOKS:
