@@ -2341,7 +2341,8 @@ static PyGetSetDef hook_getset[] = {
      "identity_hits, [make], the scheduler's requests, the audit)",
      NULL},
     {"state", (getter)hook_get_state, (setter)hook_set_state,
-     "END: the request-end check's state in C (see _request_ended); STEP, GUARD: the "
+     "END, PREEMPT, FINISH: the request-end checks' state in C (see "
+     "kvsan.hooks.vllm_allocator._hand_ends_to_native); STEP, GUARD: the "
      "worker's (see kvsan.hooks.vllm_worker._hand_to_native); SCHED, UPDATE: the scheduler's "
      "(see kvsan.hooks.vllm_allocator._hand_schedule_to_native); or None", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},

@@ -647,12 +647,7 @@ class DeviceChecker:
             return
         waiting = list(pending)
         bs, blocks = self.block_size, []
-        mv = self._mv
-        if mv is not None and len(waiting) <= _LOOP_MAX:  # (_read's host path, inline)
-            filled, producers = map(mv[1].__getitem__, waiting), map(mv[0].__getitem__, waiting)
-        else:
-            filled, producers = self._read(1, waiting), self._read(0, waiting)
-        for b, n, producer in zip(waiting, filled, producers):
+        for b, n, producer in zip(waiting, self._read(1, waiting), self._read(0, waiting)):
             if n >= bs:
                 blocks.append(b)
                 del pending[b]
