@@ -353,6 +353,85 @@ def test_native_token_links_equal_the_python_chain():
     assert (tok, mm, emb) == ([5], [b""], [b""])
 
 
+def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
+    """With ``kvsan._tokenlinks`` in use a chain keeps its token links in a
+    ``Links`` (64-bit ints in one array: no int object per block, nothing
+    for the garbage collector to track), which behaves as the list the
+    Python path keeps: a Links chain and a list chain of the same tokens
+    are the same inputs, each way, and the C hit check tells a Links
+    producer from a list consumer's tokens as the Python check does."""
+    import gc
+    import sys
+
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
+    from kvsan import hooks
+    from kvsan.checks import identity
+
+    if not native:
+        pytest.skip("a check of the C path")
+    if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
+        pytest.skip("the speed-ups are built for CPython 3.11")
+    from kvsan._tokenlinks import Links
+
+    toks = list(range(10_000, 10_000 + 6 * BLOCK))
+    ident = identity.RequestIdentity((b"", b"", b""))
+    assert type(ident.tok) is Links and not gc.is_tracked(ident.tok)
+    ident.extend(4, toks, BLOCK, None, None)  # in C
+    identity.use_native(False)
+    try:
+        py = identity.RequestIdentity((b"", b"", b""))
+        py.extend(4, toks, BLOCK, None, None)
+        ident.extend(6, toks, BLOCK, None, None)  # a Links extended by the Python loop
+        py.extend(6, toks, BLOCK, None, None)
+    finally:
+        identity.use_native(True)
+    assert type(py.tok) is list and ident.tok == py.tok and py.tok == ident.tok
+    assert ident.same(5, py, 5) and py.same(5, ident, 5) and not ident.same(4, py, 5)
+    assert ident.fields(5, b"w") == py.fields(5, b"w")
+
+    # a list's interface, all or nothing
+    links = Links([1, -2])
+    links += [3]
+    links.append(2**63 - 1)
+    links.extend(Links([4]))
+    assert list(links) == links.tolist() == [1, -2, 3, 2**63 - 1, 4]
+    assert links[-1] == 4 and len(links) == 5 and links != [1, -2] and not Links()
+    with pytest.raises(IndexError):
+        links[5]
+    with pytest.raises(TypeError, match="a link is an int"):
+        links.extend([5, "x"])
+    with pytest.raises(OverflowError):
+        links.append(2**63)
+    with pytest.raises(TypeError):
+        hash(links)
+    assert links == [1, -2, 3, 2**63 - 1, 4] and repr(links) == f"Links({links.tolist()})"
+
+    # the hit check: Links against Links in line; a list chain on either
+    # side is compared as lists (where C declines, the Python check runs)
+    blocks = []
+    for b in (1, 2):
+        blk = KVCacheBlock(block_id=b)
+        blk.set_block_hash(bytes([b]) * 32)
+        blocks.append(blk)
+    other = identity.RequestIdentity((b"", b"", b""))
+    other.extend(2, [t + 1 for t in toks], BLOCK, None, None)
+    for producer in (ident, py):
+        audit = identity.IdentityAudit(lambda v: None, num_blocks=4)
+        assert hooks.SHADOWFAST.identity_record(audit.records, "P", producer, b"w", blocks,
+                                                0, 2) is True
+        for consumer, bad in ((ident, []), (py, []), (other, [1, 2])):
+            got = hooks.SHADOWFAST.identity_hits(audit.records, consumer, b"w", blocks)
+            if got is None:  # declined in C: the Python check
+                seen = []
+                audit.emit = lambda v: seen.extend(v.blocks)
+                audit.on_hits("C", consumer, b"w", [(i, b.block_id, b.block_hash)
+                                                    for i, b in enumerate(blocks)])
+            else:
+                seen = [b for _, b, _, _ in got[1]]
+            assert seen == bad, (type(producer.tok), type(consumer.tok))
+
+
 def test_known_chain_matches_the_python_chain():
     """``kvsan._tokenlinks.known_chain`` (the identity hooks' lookup of a
     known text-only request's chain) gives the chain the Python ``_chain``

@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 9
+#define KVSAN_SHADOWFAST_ABI 10
 
 #include "_capi.h"
 #define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots too */
@@ -2557,6 +2557,33 @@ list_item(PyObject *obj, int f, Py_ssize_t i, int *err)
     return v;
 }
 
+/* kvsan._tokenlinks.Links (a chain's ``tok`` where that module is in use),
+ * read in line; NULL where it is not built for this module's layout */
+static PyTypeObject *links_type = NULL;
+
+/* 1: link ``k`` of chain ``a`` and link ``i`` of chain ``b`` are equal, 0:
+ * not, -1: error, -2: not both Links (or out of range): compare as lists */
+static int
+same_link(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
+{
+    if (links_type == NULL) {
+        return -2;
+    }
+    PyObject *x = ident_get(a, I_TOK);
+    PyObject *y = x == NULL ? NULL : ident_get(b, I_TOK);
+    int r = -1;
+    if (y != NULL) {
+        LinksObject *lx = (LinksObject *)x, *ly = (LinksObject *)y;
+        r = !Py_IS_TYPE(x, links_type) || !Py_IS_TYPE(y, links_type) || k < 0 || i < 0
+                    || k >= lx->n || i >= ly->n
+                ? -2
+                : lx->v[k] == ly->v[i];
+    }
+    Py_XDECREF(x);
+    Py_XDECREF(y);
+    return r;
+}
+
 /* 1: block ``k`` of chain ``a`` has the inputs of block ``i`` of chain ``b``
  * (RequestIdentity.same), 0: not, -1: error, -2: cannot tell here */
 static int
@@ -2564,16 +2591,20 @@ same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
 {
     static const int fields[3] = {I_TOK, I_MM, I_EMB};
     for (int n = 0; n < 3; n++) {
-        int err = 0;
-        PyObject *x = list_item(a, fields[n], k, &err);
-        PyObject *y = x == NULL ? NULL : list_item(b, fields[n], i, &err);
-        if (x == NULL || y == NULL) {
-            Py_XDECREF(x);
-            return err ? -1 : -2;
+        /* the token links: in line where both are Links */
+        int r = n == 0 ? same_link(a, k, b, i) : -2;
+        if (r == -2) {
+            int err = 0;
+            PyObject *x = list_item(a, fields[n], k, &err);
+            PyObject *y = x == NULL ? NULL : list_item(b, fields[n], i, &err);
+            if (x == NULL || y == NULL) {
+                Py_XDECREF(x);
+                return err ? -1 : -2;
+            }
+            r = PyObject_RichCompareBool(x, y, Py_EQ);
+            Py_DECREF(x);
+            Py_DECREF(y);
         }
-        int r = PyObject_RichCompareBool(x, y, Py_EQ);
-        Py_DECREF(x);
-        Py_DECREF(y);
         if (r <= 0) {
             return r;
         }
@@ -2757,6 +2788,18 @@ PyInit__shadowfast(void)
     if (ident_names_init() < 0) {
         return NULL;
     }
+    /* Links of the same layout: kvsan._tokenlinks built from this source */
+    PyObject *tl = PyImport_ImportModule("kvsan._tokenlinks");
+    PyObject *abi = tl == NULL ? NULL : PyObject_GetAttrString(tl, "ABI");
+    PyObject *lt = abi == NULL ? NULL : PyObject_GetAttrString(tl, "Links");
+    if (lt != NULL && PyType_Check(lt) && PyLong_Check(abi)
+        && PyLong_AsLong(abi) == KVSAN_TOKENLINKS_ABI) {
+        links_type = (PyTypeObject *)Py_NewRef(lt);
+    }
+    PyErr_Clear(); /* (not built: chains are lists, compared as lists) */
+    Py_XDECREF(lt);
+    Py_XDECREF(abi);
+    Py_XDECREF(tl);
     PyObject *m = PyModule_Create(&shadowfast_module);
     if (m == NULL) {
         return NULL;

@@ -173,6 +173,21 @@ ident_set(PyObject *chain, int f, PyObject *value)
 {
     return slots_set(&ident_slots, chain, f, value, ident_names, N_IDENT);
 }
+
+/* kvsan._tokenlinks.Links: a chain's token links (its ``tok``) as a
+ * growable array of 64-bit ints.  A list held an int object per link
+ * (32 B + its 8 B slot per cached block) and was one more object per
+ * request for the garbage collector to track; a Links is neither tracked
+ * nor a holder of objects.  Its interface version is kvsan._tokenlinks's
+ * ABI, which kvsan._shadowfast checks before it reads one in line. */
+#define KVSAN_TOKENLINKS_ABI 7
+
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t n;   /* links held */
+    Py_ssize_t cap; /* room in ``v`` */
+    int64_t *v;
+} LinksObject;
 #endif /* KVSAN_IDENTITY_SLOTS */
 
 #endif /* KVSAN_SLOTS_H */

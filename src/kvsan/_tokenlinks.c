@@ -16,7 +16,6 @@
 #define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots */
 #include "_slots.h"
 
-#define KVSAN_TOKENLINKS_ABI 6
 
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
@@ -84,9 +83,264 @@ link_hash(Py_hash_t x)
 #endif
 }
 
-/* append to ``out`` the links of blocks [start, upto) of ``tokens``, each
- * ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))`` starting from the
- * link ``parent``; 0, or -1 with an exception */
+/* ------------------------------------------------------------ Links */
+
+static PyTypeObject LinksType;
+
+#define Links_Check(o) Py_IS_TYPE((o), &LinksType)
+
+/* room for ``n`` links: 0, or -1 with MemoryError */
+static int
+links_reserve(LinksObject *l, Py_ssize_t n)
+{
+    if (n <= l->cap) {
+        return 0;
+    }
+    Py_ssize_t cap = l->cap < 4 ? 4 : l->cap;
+    while (cap < n) {
+        cap += cap >> 1; /* amortised growth, as a list's */
+    }
+    int64_t *v = PyMem_Realloc(l->v, sizeof(int64_t) * (size_t)cap);
+    if (v == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    l->v = v;
+    l->cap = cap;
+    return 0;
+}
+
+static inline int
+links_push(LinksObject *l, int64_t x)
+{
+    if (l->n == l->cap && links_reserve(l, l->n + 1) < 0) {
+        return -1;
+    }
+    l->v[l->n++] = x;
+    return 0;
+}
+
+/* ``item`` as a link (any int that fits 64 bits): 0, or -1 with an exception */
+static int
+link_value(PyObject *item, int64_t *out)
+{
+    if (!PyLong_Check(item)) {
+        PyErr_Format(PyExc_TypeError, "a link is an int, not %.100s", Py_TYPE(item)->tp_name);
+        return -1;
+    }
+    long long x = PyLong_AsLongLong(item);
+    if (x == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (int64_t)x;
+    return 0;
+}
+
+/* the links of ``items`` (a Links or any iterable of ints) appended to
+ * ``l``, all or none: 0, or -1 with an exception */
+static int
+links_extend(LinksObject *l, PyObject *items)
+{
+    if (Links_Check(items)) {
+        LinksObject *o = (LinksObject *)items;
+        Py_ssize_t m = o->n; /* (o may be l) */
+        if (links_reserve(l, l->n + m) < 0) {
+            return -1;
+        }
+        memcpy(l->v + l->n, o->v, sizeof(int64_t) * (size_t)m);
+        l->n += m;
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(items, "Links.extend: an iterable of ints");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t m = PySequence_Fast_GET_SIZE(seq), n0 = l->n;
+    int r = links_reserve(l, n0 + m);
+    for (Py_ssize_t i = 0; r == 0 && i < m; i++) {
+        r = link_value(PySequence_Fast_GET_ITEM(seq, i), &l->v[n0 + i]);
+    }
+    Py_DECREF(seq);
+    if (r == 0) {
+        l->n = n0 + m;
+    }
+    return r;
+}
+
+static PyObject *
+Links_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
+{
+    PyObject *items = NULL;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "Links() takes no keyword arguments");
+        return NULL;
+    }
+    if (!PyArg_UnpackTuple(args, "Links", 0, 1, &items)) {
+        return NULL;
+    }
+    LinksObject *l = (LinksObject *)type->tp_alloc(type, 0);
+    if (l != NULL && items != NULL && links_extend(l, items) < 0) {
+        Py_CLEAR(l);
+    }
+    return (PyObject *)l;
+}
+
+/* a new, empty Links (new_identity's ``tok``) */
+static PyObject *
+links_empty(void)
+{
+    return LinksType.tp_alloc(&LinksType, 0);
+}
+
+static void
+Links_dealloc(LinksObject *l)
+{
+    PyMem_Free(l->v);
+    Py_TYPE(l)->tp_free((PyObject *)l);
+}
+
+static Py_ssize_t
+Links_len(LinksObject *l)
+{
+    return l->n;
+}
+
+static PyObject *
+Links_item(LinksObject *l, Py_ssize_t i)
+{
+    if (i < 0 || i >= l->n) {
+        PyErr_SetString(PyExc_IndexError, "Links index out of range");
+        return NULL;
+    }
+    return PyLong_FromLongLong(l->v[i]);
+}
+
+static PyObject *
+Links_inplace_concat(LinksObject *l, PyObject *items)
+{
+    if (links_extend(l, items) < 0) {
+        return NULL;
+    }
+    return Py_NewRef(l);
+}
+
+static PyObject *
+Links_append(LinksObject *l, PyObject *item)
+{
+    int64_t x;
+    if (link_value(item, &x) < 0 || links_push(l, x) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Links_extend(LinksObject *l, PyObject *items)
+{
+    if (links_extend(l, items) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Links_tolist(LinksObject *l, PyObject *unused)
+{
+    PyObject *out = PyList_New(l->n);
+    for (Py_ssize_t i = 0; out != NULL && i < l->n; i++) {
+        PyObject *v = PyLong_FromLongLong(l->v[i]);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+    return out;
+}
+
+/* == and != with another Links or a list or tuple of ints (a chain's
+ * ``tok`` is a list where kvsan._tokenlinks is not in use) */
+static PyObject *
+Links_richcompare(LinksObject *l, PyObject *other, int op)
+{
+    if ((op != Py_EQ && op != Py_NE)
+        || !(Links_Check(other) || PyList_Check(other) || PyTuple_Check(other))) {
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    int eq;
+    if (Links_Check(other)) {
+        LinksObject *o = (LinksObject *)other;
+        eq = o->n == l->n && (l->n == 0 || !memcmp(l->v, o->v, sizeof(int64_t) * (size_t)l->n));
+    } else {
+        PyObject *mine = Links_tolist(l, NULL);
+        if (mine == NULL) {
+            return NULL;
+        }
+        PyObject *theirs = PyList_Check(other) ? Py_NewRef(other) : PySequence_List(other);
+        eq = theirs == NULL ? -1 : PyObject_RichCompareBool(mine, theirs, Py_EQ);
+        Py_DECREF(mine);
+        Py_XDECREF(theirs);
+        if (eq < 0) {
+            return NULL;
+        }
+    }
+    return PyBool_FromLong(op == Py_EQ ? eq : !eq);
+}
+
+static PyObject *
+Links_repr(LinksObject *l)
+{
+    PyObject *lst = Links_tolist(l, NULL);
+    if (lst == NULL) {
+        return NULL;
+    }
+    PyObject *r = PyUnicode_FromFormat("Links(%R)", lst);
+    Py_DECREF(lst);
+    return r;
+}
+
+static PyObject *
+Links_sizeof(LinksObject *l, PyObject *unused)
+{
+    return PyLong_FromSsize_t((Py_ssize_t)sizeof(LinksObject)
+                              + (Py_ssize_t)sizeof(int64_t) * l->cap);
+}
+
+static PySequenceMethods Links_as_sequence = {
+    .sq_length = (lenfunc)Links_len,
+    .sq_item = (ssizeargfunc)Links_item,
+    .sq_inplace_concat = (binaryfunc)Links_inplace_concat,
+};
+
+static PyMethodDef Links_methods[] = {
+    {"append", (PyCFunction)Links_append, METH_O, "append(link): one link more"},
+    {"extend", (PyCFunction)Links_extend, METH_O, "extend(links): an iterable of links more"},
+    {"tolist", (PyCFunction)Links_tolist, METH_NOARGS, "tolist() -> the links as a list of ints"},
+    {"__sizeof__", (PyCFunction)Links_sizeof, METH_NOARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LinksType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsan._tokenlinks.Links",
+    .tp_doc = "A token chain's links: a growable array of 64-bit ints (a list's "
+              "len, [i], +=, append, extend; == with a list).",
+    .tp_basicsize = sizeof(LinksObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = Links_new,
+    .tp_dealloc = (destructor)Links_dealloc,
+    .tp_as_sequence = &Links_as_sequence,
+    .tp_richcompare = (richcmpfunc)Links_richcompare,
+    .tp_hash = PyObject_HashNotImplemented,
+    .tp_repr = (reprfunc)Links_repr,
+    .tp_methods = Links_methods,
+};
+
+/* ------------------------------------------------------------ links */
+
+/* append to ``out`` (a list or a Links) the links of blocks [start, upto)
+ * of ``tokens``, each ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))``
+ * starting from the link ``parent``; 0, or -1 with an exception */
 static int
 append_links(PyObject *out, PyObject *tokens, Py_ssize_t bs, Py_ssize_t start,
              Py_ssize_t upto, Py_hash_t parent)
@@ -119,6 +373,12 @@ append_links(PyObject *out, PyObject *tokens, Py_ssize_t bs, Py_ssize_t start,
         acc = acc_lane(XXPRIME_5, (Py_uhash_t)ph);
         acc = acc_lane(acc, (Py_uhash_t)inner);
         parent = acc_finish(acc, 2);
+        if (Links_Check(out)) {
+            if (links_push((LinksObject *)out, (int64_t)parent) < 0) {
+                return -1;
+            }
+            continue;
+        }
         PyObject *v = PyLong_FromSsize_t(parent);
         if (v == NULL) {
             return -1;
@@ -176,6 +436,31 @@ links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* a chain's ``tok`` (a Links, or a list where Python made it) */
+static inline int
+tok_check(PyObject *tok)
+{
+    return Links_Check(tok) || PyList_CheckExact(tok);
+}
+
+static inline Py_ssize_t
+tok_size(PyObject *tok)
+{
+    return Links_Check(tok) ? ((LinksObject *)tok)->n : PyList_GET_SIZE(tok);
+}
+
+/* the links of ``tok`` after the first ``n`` dropped: 0, or -1 with an exception */
+static int
+tok_cut(PyObject *tok, Py_ssize_t n)
+{
+    if (Links_Check(tok)) {
+        LinksObject *l = (LinksObject *)tok;
+        l->n = n < l->n ? n : l->n;
+        return 0;
+    }
+    return PyList_GET_SIZE(tok) > n ? PyList_SetSlice(tok, n, PyList_GET_SIZE(tok), NULL) : 0;
+}
+
 /* extend_text(tok, mm, emb, tokens, bs, upto): a text-only request's
  * identity chain (RequestIdentity.extend without multimodal input or prompt
  * embeddings) in one call: ``tok`` gets the links of blocks [len(tok),
@@ -185,14 +470,14 @@ links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 extend_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 6 || !PyList_CheckExact(args[0]) || !PyList_CheckExact(args[1])
+    if (nargs != 6 || !tok_check(args[0]) || !PyList_CheckExact(args[1])
         || !PyList_CheckExact(args[2]) || !PyList_Check(args[3])) {
-        PyErr_SetString(PyExc_TypeError,
-                        "extend_text(tok: list, mm: list, emb: list, tokens: list, bs, upto)");
+        PyErr_SetString(PyExc_TypeError, "extend_text(tok: Links | list, mm: list, emb: list, "
+                                         "tokens: list, bs, upto)");
         return NULL;
     }
     PyObject *tok = args[0];
-    Py_ssize_t start = PyList_GET_SIZE(tok);
+    Py_ssize_t start = tok_size(tok);
     Py_ssize_t bs = PyLong_AsSsize_t(args[4]);
     Py_ssize_t upto = PyLong_AsSsize_t(args[5]);
     if (PyErr_Occurred()) {
@@ -205,7 +490,9 @@ extend_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_hash_t parent = 0;
-    if (start) {
+    if (start && Links_Check(tok)) {
+        parent = (Py_hash_t)((LinksObject *)tok)->v[start - 1]; /* (hashed as a link) */
+    } else if (start) {
         parent = PyObject_Hash(PyList_GET_ITEM(tok, start - 1));
         if (parent == -1 && PyErr_Occurred()) {
             return NULL;
@@ -237,8 +524,7 @@ error: /* all or nothing: the three chains cut back to where they were */
         PyErr_Fetch(&type, &value, &tb);
         Py_ssize_t sizes[3] = {start, mm0, emb0};
         for (int c = 0; c < 3; c++) {
-            if (PyList_GET_SIZE(args[c]) > sizes[c]
-                && PyList_SetSlice(args[c], sizes[c], PyList_GET_SIZE(args[c]), NULL) < 0) {
+            if (tok_cut(args[c], sizes[c]) < 0) {
                 PyErr_Clear();
             }
         }
@@ -266,7 +552,7 @@ static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_id
 
 /* a new RequestIdentity(static) without running its __init__ in Python (a
  * frame per new request): the object as the type's tp_new makes it, with
- * the four slots __init__ sets -- ``static``, an empty ``tok`` list, and
+ * the four slots __init__ sets -- ``static``, an empty ``tok`` (a Links), and
  * ``mm`` and ``emb`` both the type's TEXT_ONLY list, shared by every
  * text-only chain (kvsan.checks.identity.RequestIdentity.__init__ says so
  * too; tests/test_identity.py compares the two).  New reference or NULL. */
@@ -281,7 +567,7 @@ new_identity(PyObject *type, PyObject *statics)
     if (ident == NULL) {
         return NULL;
     }
-    PyObject *tok = PyList_New(0);
+    PyObject *tok = links_empty();
     PyObject *shared = tok == NULL ? NULL : PyObject_GetAttr(type, s_TEXT_ONLY);
     int r = shared == NULL ? -1 : 0;
     if (r == 0 && !PyList_CheckExact(shared)) {
@@ -392,13 +678,13 @@ known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(ident);
         return NULL;
     }
-    if (!PyList_CheckExact(tok)) {
+    if (!tok_check(tok)) {
         out = Py_NewRef(Py_None);
         Py_DECREF(tok);
         Py_DECREF(ident);
         return out;
     }
-    if (PyList_GET_SIZE(tok) >= upto) {
+    if (tok_size(tok) >= upto) {
         Py_DECREF(tok);
         return ident;
     }
@@ -523,14 +809,16 @@ PyInit__tokenlinks(void)
             return NULL;
         }
     }
-    if (ident_names_init() < 0 || (empty_tuple = PyTuple_New(0)) == NULL) {
+    if (ident_names_init() < 0 || (empty_tuple = PyTuple_New(0)) == NULL
+        || PyType_Ready(&LinksType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&tokenlinks_module);
     if (m == NULL) {
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "ABI", KVSAN_TOKENLINKS_ABI) < 0) {
+    if (PyModule_AddIntConstant(m, "ABI", KVSAN_TOKENLINKS_ABI) < 0
+        || PyModule_AddObjectRef(m, "Links", (PyObject *)&LinksType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

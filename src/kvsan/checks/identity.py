@@ -63,13 +63,17 @@ known_chain = None
 #: ``kvsan._tokenlinks.reap`` (a chain entry's weak-reference callback, as
 #: ``kvsan.hooks.vllm_identity._reap``) when in use, else None
 reap = None
+#: what a new chain keeps its token links in: ``kvsan._tokenlinks.Links``
+#: (64-bit ints in one array) when in use, else ``list``
+_new_links = list
 
 
 def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
-    global _links, _extend_text, known_chain, reap
-    mod = native.load("_tokenlinks", 6) if on else None
+    global _links, _extend_text, known_chain, reap, _new_links
+    mod = native.load("_tokenlinks", 7) if on else None
+    _new_links = mod.Links if mod is not None else list
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None
     known_chain = mod.known_chain if mod is not None else None
@@ -87,6 +91,10 @@ class RequestIdentity:
     ``static``: the digests of the inputs that are the same for every block
     of the request (LoRA, cache_salt, KV dtype), one shared tuple per
     distinct combination, so most comparisons are an identity check.
+
+    ``tok``: the token links, one per block, in a ``kvsan._tokenlinks.Links``
+    (an array of 64-bit ints: no int object per block, and nothing for the
+    garbage collector to track) where that module is in use, else a list.
 
     ``mm`` and ``emb`` start as :attr:`TEXT_ONLY`, shared by every chain
     whose request has neither multimodal input nor prompt embeddings (most
@@ -107,7 +115,7 @@ class RequestIdentity:
         # kvsan._tokenlinks (new_identity) makes these without calling
         # __init__, setting the same four slots: keep the two in step
         self.static = static
-        self.tok: list[int] = []
+        self.tok = _new_links()
         self.mm: list[bytes] = self.TEXT_ONLY
         self.emb: list[bytes] = self.TEXT_ONLY
 
