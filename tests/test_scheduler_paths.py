@@ -341,6 +341,42 @@ def test_request_ends_checked_in_c_and_faults_still_reported(rt):
         assert hook.calls == calls + 1  # both faults went to the Python check
 
 
+def test_the_ends_of_a_step_share_their_record(rt):
+    """The ends one step files for one reason share their ``(reason, step)``
+    record, in C and in the Python check: a tuple per end was one more
+    object per request for the garbage collector, kept until RECENT_ENDS
+    of them were filed.  Another reason's, or a later step's, is a record
+    of its own."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from kvsan import hooks
+
+    hook = hooks.native_hook(Scheduler.__dict__["_free_request"])
+    sched = running("S0", "S1", "S2", "S3", "S4", token=870)
+    ck = rt.checkers[sched.kv_cache_manager.block_pool]
+    step = rt.step
+    sched.finish_requests(["S0"], RequestStatus.FINISHED_ABORTED)  # the Python check
+    calls = hook.calls if hook is not None else 0
+    sched.finish_requests(["S1", "S2"], RequestStatus.FINISHED_ABORTED)
+    sched.finish_requests(["S3"], RequestStatus.FINISHED_STOPPED)
+    if hook is not None:  # S1 and S2 in C (S3's status is new to it: the Python check)
+        assert hook.calls == calls + 2
+    ends = ck.recent_ends
+    assert ends["S1"] is ends["S2"] and ends["S1"] == ends["S0"] == ("finished_aborted", step)
+    assert ends["S3"] == ("finished_stopped", step)
+    sched.schedule()
+    assert rt.step == step + 1
+    sched.finish_requests(["S4"], RequestStatus.FINISHED_ABORTED)
+    assert ends["S4"] == ("finished_aborted", step + 1) and kinds_of(rt) == []
+    # the Python check's own record, shared the same way
+    ck._note_end("P0", "finished_aborted")
+    ck._note_end("P1", "finished_aborted")
+    ck._note_end("P2", "finished_stopped")
+    assert ends["P0"] is ends["P1"] and ends["P0"] == ("finished_aborted", step + 1)
+    assert ends["P2"] == ("finished_stopped", step + 1)
+
+
 def _keeps_blocks(sched, rid: str) -> list[int]:
     """A fault: ``rid``'s free drops its block table but never returns its
     blocks (the blocks it holds, returned, stay held for good)."""

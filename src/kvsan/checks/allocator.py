@@ -70,6 +70,8 @@ class AllocatorChecker:
         self.shadow.clock = step
         #: how recent requests ended: rid -> (reason, step), bounded (``kvsan owners``)
         self.recent_ends: dict[str, tuple[str, int]] = {}
+        #: the last value filed there (see :meth:`_note_end`)
+        self._end_value: tuple[str, int] = ("", -1)
         #: the status a delayed-free request finished with: rid -> reason
         self.pending_reasons: dict[str, str] = {}
         #: an engine adapter's fast path for clean events, or None (set by
@@ -364,9 +366,17 @@ class AllocatorChecker:
     RECENT_ENDS = 4096
 
     def _note_end(self, rid: str, reason: str) -> None:
+        """File ``rid``'s end in :attr:`recent_ends`.  The ends of one step
+        for one reason share their ``(reason, step)`` tuple: one per end was
+        one more object per request for the garbage collector, and every
+        one stayed until RECENT_ENDS were filed (kvsan._hookfast's clean
+        end shares its own the same way)."""
         ends = self.recent_ends
         ends.pop(rid, None)
-        ends[rid] = (reason, self.step())
+        value, step = self._end_value, self.step()
+        if value[1] != step or value[0] != reason:
+            value = self._end_value = (reason, step)
+        ends[rid] = value
         if len(ends) > self.RECENT_ENDS:
             del ends[next(iter(ends))]
 
