@@ -458,21 +458,22 @@ def test_known_chain_matches_the_python_chain():
         got.append((list(ident.tok), list(ident.mm), list(ident.emb)))
     identity.use_native(True)
     assert got[0] == got[1] and len(got[0][0]) == 6
-    assert known_chain(chains, r, BLOCK, 3) is chains["kc-1"][1]
+    assert known_chain(chains, r, BLOCK, 3) is chains["kc-1"]
     assert known_chain(chains, request("kc-1", list(range(100))), BLOCK, 3) is None
     r.mm_features = [object()]  # multimodal input: the Python path's parts
     assert known_chain(chains, r, BLOCK, 7) is None
-    assert known_chain(chains, r, BLOCK, 6) is chains["kc-1"][1]  # nothing to extend
+    assert known_chain(chains, r, BLOCK, 6) is chains["kc-1"]  # nothing to extend
     with pytest.raises(TypeError, match="known_chain"):
         known_chain([], r, BLOCK, 1)
 
 
 def test_chains_started_in_c_equal_pythons_and_go_with_their_request():
     """A chain ``known_chain`` starts in C is the RequestIdentity Python
-    would make (its four slots, without running ``__init__``), under an
-    entry whose weak reference drops it when the Request goes (the C
-    callback, bound to the chains dict); an entry a newer Request under the
-    same id replaced stays."""
+    would make (its slots, without running ``__init__``): a weak reference
+    to its Request, filed under the request's id, that drops its entry when
+    the Request goes (the C callback, bound to the chains dict); an entry a
+    newer Request under the same id replaced stays.  One object per request
+    (the garbage collector tracks no entry or reference of its own)."""
     import gc
     import sys
 
@@ -486,22 +487,23 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request():
     make = vllm_identity._MAKE[0]
     r = request("kc-2", list(range(100)))
     ident = known_chain(chains, r, BLOCK, 3, make)
-    assert type(ident) is RequestIdentity and chains["kc-2"][1] is ident
-    py = RequestIdentity(make[1])
+    assert type(ident) is RequestIdentity and chains["kc-2"] is ident and ident() is r
+    py = RequestIdentity(make[1], r, make[2], "kc-2")
     py.extend(3, list(range(100)), BLOCK, None, None)
-    assert (ident.static, ident.tok, ident.mm, ident.emb) == (py.static, py.tok, py.mm, py.emb)
-    assert isinstance(make[3], functools.partial) and chains["kc-2"][0].rid == "kc-2"
-    del r, ident
+    assert ((ident.static, ident.tok, ident.mm, ident.emb, ident.rid)
+            == (py.static, py.tok, py.mm, py.emb, py.rid))
+    assert isinstance(make[2], functools.partial) and ident != py and ident == ident
+    del r, py
     gc.collect()
     assert "kc-2" not in chains  # the Request went: so did its entry
+    assert ident() is None and len(ident.tok) == 3  # (a record may still read it)
     old = request("kc-3", list(range(40)))
     known_chain(chains, old, BLOCK, 1, make)
     new = request("kc-3", list(range(40)))
-    chains["kc-3"] = (vllm_identity._ChainRef(new, make[3]), RequestIdentity(make[1]))
-    chains["kc-3"][0].rid = "kc-3"
+    chains["kc-3"] = RequestIdentity(make[1], new, make[2], "kc-3")
     del old
     gc.collect()
-    assert chains["kc-3"][0]() is new  # the newer Request's entry stays
+    assert chains["kc-3"]() is new  # the newer Request's entry stays
     del new
     gc.collect()
     assert "kc-3" not in chains

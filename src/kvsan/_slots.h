@@ -140,10 +140,10 @@ small_int(PyObject *v, Py_ssize_t *out)
 }
 
 #ifdef KVSAN_IDENTITY_SLOTS
-/* kvsan.checks.identity.RequestIdentity's four slots, which _shadowfast
+/* kvsan.checks.identity.RequestIdentity's slots, which _shadowfast
  * (a hit's check compares them per block) and _tokenlinks (a chain made
  * and extended) read and set in line.  Each module has its own copy. */
-enum { I_STATIC, I_TOK, I_MM, I_EMB, N_IDENT };
+enum { I_STATIC, I_TOK, I_MM, I_EMB, I_RID, N_IDENT };
 static PyObject *ident_names[N_IDENT]; /* the interned names, in that order */
 static SlotTable ident_slots;
 
@@ -151,7 +151,7 @@ static SlotTable ident_slots;
 static int
 ident_names_init(void)
 {
-    static const char *const text[N_IDENT] = {"static", "tok", "mm", "emb"};
+    static const char *const text[N_IDENT] = {"static", "tok", "mm", "emb", "rid"};
     for (int i = 0; i < N_IDENT; i++) {
         if ((ident_names[i] = PyUnicode_InternFromString(text[i])) == NULL) {
             return -1;
@@ -180,7 +180,7 @@ ident_set(PyObject *chain, int f, PyObject *value)
  * request for the garbage collector to track; a Links is neither tracked
  * nor a holder of objects.  Its interface version is kvsan._tokenlinks's
  * ABI, which kvsan._shadowfast checks before it reads one in line. */
-#define KVSAN_TOKENLINKS_ABI 7
+#define KVSAN_TOKENLINKS_ABI 8
 
 typedef struct {
     PyObject_HEAD

@@ -537,33 +537,41 @@ error: /* all or nothing: the three chains cut back to where they were */
  * chain extended to ``upto`` blocks, or None (the Python path decides: a
  * request without a chain yet and no ``make``, a new Request object under a
  * known id, multimodal input or prompt embeddings, tokens not in a list).
- * ``chains``: request id -> (weak reference to the Request, its
- * RequestIdentity), as kvsan.hooks.vllm_identity keeps them; the same steps
- * as its ``_chain`` for a known text-only request, without a Python frame.
+ * ``chains``: request id -> its RequestIdentity (a weak reference to the
+ * Request), as kvsan.hooks.vllm_identity keeps them; the same steps as its
+ * ``_chain`` for a known text-only request, without a Python frame.
  *
- * ``make``: (RequestIdentity, static digests, weak reference type, its
- * callback) to start the chain of a request that has none yet and neither
- * a LoRA adapter nor a cache_salt, as ``_chain`` starts it: the static
- * digests are those ``_chain`` would give it (the caller passes them), and
- * the weak reference (a ``weakref.ref`` subclass with a ``rid`` slot) drops
+ * ``make``: (RequestIdentity, static digests, callback) to start the chain
+ * of a request that has none yet and neither a LoRA adapter nor a
+ * cache_salt, as ``_chain`` starts it: the static digests are those
+ * ``_chain`` would give it (the caller passes them), and the callback drops
  * the entry with the Request. */
 static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_ids,
-    *s_lora_request, *s_cache_salt, *s_rid, *s_TEXT_ONLY, *empty_tuple;
+    *s_lora_request, *s_cache_salt, *s_rid, *s_TEXT_ONLY;
 
-/* a new RequestIdentity(static) without running its __init__ in Python (a
- * frame per new request): the object as the type's tp_new makes it, with
- * the four slots __init__ sets -- ``static``, an empty ``tok`` (a Links), and
- * ``mm`` and ``emb`` both the type's TEXT_ONLY list, shared by every
- * text-only chain (kvsan.checks.identity.RequestIdentity.__init__ says so
- * too; tests/test_identity.py compares the two).  New reference or NULL. */
+/* a new RequestIdentity(static, request, callback, rid) -- a weak reference
+ * to ``request`` -- without running its __init__ in Python (a frame per new
+ * request): the object as weakref.ref's tp_new makes it (with the request
+ * and the callback), with the five slots __init__ sets --
+ * ``static``, an empty ``tok`` (a Links), ``mm`` and ``emb`` both the type's
+ * TEXT_ONLY list, shared by every text-only chain, and ``rid``
+ * (kvsan.checks.identity.RequestIdentity.__init__ says so too;
+ * tests/test_identity.py compares the two).  New reference or NULL. */
 static PyObject *
-new_identity(PyObject *type, PyObject *statics)
+new_identity(PyObject *type, PyObject *statics, PyObject *request, PyObject *callback,
+             PyObject *rid)
 {
-    if (!PyType_Check(type) || ((PyTypeObject *)type)->tp_new == NULL) {
-        PyErr_SetString(PyExc_TypeError, "known_chain: make[0] must be a type");
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &_PyWeakref_RefType)) {
+        PyErr_SetString(PyExc_TypeError, "known_chain: make[0] must be a weakref.ref type");
         return NULL;
     }
-    PyObject *ident = ((PyTypeObject *)type)->tp_new((PyTypeObject *)type, empty_tuple, NULL);
+    PyObject *targs = PyTuple_Pack(2, request, callback);
+    if (targs == NULL) {
+        return NULL;
+    }
+    /* weakref.ref's own __new__, as RequestIdentity.__new__ calls it */
+    PyObject *ident = _PyWeakref_RefType.tp_new((PyTypeObject *)type, targs, NULL);
+    Py_DECREF(targs);
     if (ident == NULL) {
         return NULL;
     }
@@ -575,7 +583,8 @@ new_identity(PyObject *type, PyObject *statics)
         r = -1;
     }
     if (r < 0 || ident_set(ident, I_STATIC, statics) < 0 || ident_set(ident, I_TOK, tok) < 0
-        || ident_set(ident, I_MM, shared) < 0 || ident_set(ident, I_EMB, shared) < 0) {
+        || ident_set(ident, I_MM, shared) < 0 || ident_set(ident, I_EMB, shared) < 0
+        || ident_set(ident, I_RID, rid) < 0) {
         Py_XDECREF(tok);
         Py_XDECREF(shared);
         Py_DECREF(ident);
@@ -592,9 +601,9 @@ new_identity(PyObject *type, PyObject *statics)
 static PyObject *
 start_chain(PyObject *chains, PyObject *request, PyObject *rid, PyObject *make)
 {
-    if (!PyTuple_CheckExact(make) || PyTuple_GET_SIZE(make) != 4) {
+    if (!PyTuple_CheckExact(make) || PyTuple_GET_SIZE(make) != 3) {
         PyErr_SetString(PyExc_TypeError,
-                        "known_chain: make is (RequestIdentity, static, ref type, callback)");
+                        "known_chain: make is (RequestIdentity, static, callback)");
         return NULL;
     }
     PyObject *lora = PyObject_GetAttr(request, s_lora_request);
@@ -612,23 +621,15 @@ start_chain(PyObject *chains, PyObject *request, PyObject *rid, PyObject *make)
     if (!plain) {
         return Py_None;
     }
-    PyObject *ident = new_identity(PyTuple_GET_ITEM(make, 0), PyTuple_GET_ITEM(make, 1));
+    PyObject *ident = new_identity(PyTuple_GET_ITEM(make, 0), PyTuple_GET_ITEM(make, 1),
+                                   request, PyTuple_GET_ITEM(make, 2), rid);
     if (ident == NULL) {
         return NULL;
     }
-    PyObject *rargs[2] = {request, PyTuple_GET_ITEM(make, 3)};
-    PyObject *ref = PyObject_Vectorcall(PyTuple_GET_ITEM(make, 2), rargs, 2, NULL);
-    PyObject *entry = NULL;
-    if (ref == NULL || PyObject_SetAttr(ref, s_rid, rid) < 0
-        || (entry = PyTuple_Pack(2, ref, ident)) == NULL
-        || PyDict_SetItem(chains, rid, entry) < 0) {
-        Py_XDECREF(entry);
-        Py_XDECREF(ref);
+    if (PyDict_SetItem(chains, rid, ident) < 0) {
         Py_DECREF(ident);
         return NULL;
     }
-    Py_DECREF(entry);
-    Py_DECREF(ref);
     Py_DECREF(ident); /* the entry holds it */
     return ident;
 }
@@ -659,12 +660,10 @@ known_chain(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
     } else {
         Py_DECREF(rid);
-        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 2
-            || !PyWeakref_Check(PyTuple_GET_ITEM(entry, 0))
-            || PyWeakref_GET_OBJECT(PyTuple_GET_ITEM(entry, 0)) != request) {
-            Py_RETURN_NONE;
+        if (!PyWeakref_CheckRef(entry) || PyWeakref_GET_OBJECT(entry) != request) {
+            Py_RETURN_NONE; /* (a new Request object under a known id: Python's) */
         }
-        ident = PyTuple_GET_ITEM(entry, 1);
+        ident = entry;
     }
     Py_INCREF(ident); /* held while extending (a callback may drop the entry) */
     PyObject *out = NULL;
@@ -741,10 +740,10 @@ done:
     return out;
 }
 
-/* reap(chains, ref): the weak-reference callback of a chain entry, as
- * kvsan.hooks.vllm_identity._reap (a Python frame per request end): its
- * Request went, so its entry goes, unless a newer Request under the same
- * id replaced it.  Bound to the chains dict with functools.partial. */
+/* reap(chains, chain): a chain's callback (it is a weak reference to its
+ * Request), as kvsan.hooks.vllm_identity._reap (a Python frame per request
+ * end): its Request went, so its entry goes, unless a newer Request under
+ * the same id replaced it.  Bound to the chains dict with functools.partial. */
 static PyObject *
 reap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -758,8 +757,7 @@ reap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *entry = PyDict_GetItemWithError(args[0], rid); /* borrowed */
     int r = 0;
-    if (entry != NULL && PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) >= 1
-        && PyTuple_GET_ITEM(entry, 0) == args[1]) {
+    if (entry == args[1]) {
         r = PyDict_DelItem(args[0], rid);
     }
     Py_DECREF(rid);
@@ -771,8 +769,8 @@ reap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 static PyMethodDef methods[] = {
     {"reap", (PyCFunction)(void (*)(void))reap, METH_FASTCALL,
-     "reap(chains, ref): drop ref's entry from chains if it is still ref's (a weakref "
-     "callback)"},
+     "reap(chains, chain): drop chain's entry (chains[chain.rid]) if it is still chain (its "
+     "weak reference's callback)"},
     {"known_chain", (PyCFunction)(void (*)(void))known_chain, METH_FASTCALL,
      "known_chain(chains, request, bs, upto[, make]) -> a known (or, with make, new) "
      "text-only request's identity chain extended to upto blocks, or None (the Python path "
@@ -809,8 +807,7 @@ PyInit__tokenlinks(void)
             return NULL;
         }
     }
-    if (ident_names_init() < 0 || (empty_tuple = PyTuple_New(0)) == NULL
-        || PyType_Ready(&LinksType) < 0) {
+    if (ident_names_init() < 0 || PyType_Ready(&LinksType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&tokenlinks_module);

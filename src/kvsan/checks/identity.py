@@ -17,6 +17,7 @@ costs one digest per field per new full block, never one per token per hit.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Callable, Iterable, Sequence
 
 from .. import kinds
@@ -72,7 +73,7 @@ def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
     global _links, _extend_text, known_chain, reap, _new_links
-    mod = native.load("_tokenlinks", 7) if on else None
+    mod = native.load("_tokenlinks", 8) if on else None
     _new_links = mod.Links if mod is not None else list
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None
@@ -85,8 +86,28 @@ def _chain_step(tag: str, parent: bytes, part: bytes) -> bytes:
     return _EMPTY if not parent and not part else digest(tag, parent, part)
 
 
-class RequestIdentity:
+class _Unowned:
+    """The owner of a chain made without one: never goes."""
+
+    __slots__ = ("__weakref__",)
+
+
+UNOWNED = _Unowned()
+
+
+class RequestIdentity(weakref.ref):
     """The per-block identity chain of one request (consumer or producer).
+
+    A chain is a weak reference to the object it describes (an engine's
+    request; :data:`UNOWNED` if made without one), which an adapter that
+    files chains by request id (``rid``) uses to learn that the request
+    went, through the reference's callback.  One object per request: an
+    entry of a chain and a weak reference of its own were two more objects
+    per request for the garbage collector to track (its young collections
+    run more often the more such objects are made).  A chain is equal only
+    to itself (not, as weak references are, to another reference to the
+    same object), and stays usable once its request went: producer records
+    keep it.
 
     ``static``: the digests of the inputs that are the same for every block
     of the request (LoRA, cache_salt, KV dtype), one shared tuple per
@@ -101,7 +122,10 @@ class RequestIdentity:
     requests); the first extension of any other request gives it chains of
     its own."""
 
-    __slots__ = ("static", "tok", "mm", "emb")
+    __slots__ = ("static", "tok", "mm", "emb", "rid")
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+    __ne__ = object.__ne__
 
     #: the ``mm`` and ``emb`` chains of every text-only request: one list of
     #: empty digests, padded to the longest such chain (a chain reads its
@@ -111,13 +135,20 @@ class RequestIdentity:
     #: 16 B per cached block.
     TEXT_ONLY: list[bytes] = []
 
-    def __init__(self, static: tuple[bytes, bytes, bytes]):
+    def __new__(cls, static: tuple[bytes, bytes, bytes], owner: object = UNOWNED,
+                callback: Callable | None = None, rid: str | None = None):
+        return super().__new__(cls, owner, callback)
+
+    def __init__(self, static: tuple[bytes, bytes, bytes], owner: object = UNOWNED,
+                 callback: Callable | None = None, rid: str | None = None):
         # kvsan._tokenlinks (new_identity) makes these without calling
-        # __init__, setting the same four slots: keep the two in step
+        # __init__, setting the same five slots: keep the two in step
+        super().__init__(owner, callback)
         self.static = static
         self.tok = _new_links()
         self.mm: list[bytes] = self.TEXT_ONLY
         self.emb: list[bytes] = self.TEXT_ONLY
+        self.rid = rid
 
     def extend(self, upto: int, tokens: Sequence[int], bs: int,
                mm: Callable[[int], bytes] | None, emb: Callable[[int], bytes] | None) -> None:

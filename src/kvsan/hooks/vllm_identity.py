@@ -28,27 +28,20 @@ from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
 _lora_epochs: dict[str, int] = {}
 _audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
-#: request id -> (weak reference to its Request, its identity chain).  A
-#: plain dict keyed by the id, the Request's identity checked through the
-#: weak reference: a WeakKeyDictionary lookup builds a weak reference and
-#: runs Python-level code on every call.  The entry goes when its Request does.
+#: request id -> its identity chain, a weak reference to its Request
+#: (:class:`RequestIdentity`).  A plain dict keyed by the id, the Request
+#: checked through the chain: a WeakKeyDictionary lookup builds a weak
+#: reference and runs Python-level code on every call.  The entry goes when
+#: its Request does (:func:`_reap`, the chain's callback).
 _chains: dict = {}
 
 
-class _ChainRef(weakref.ref):
-    """The weak reference to a Request in :data:`_chains`, carrying its
-    request id so that one callback (:func:`_reap`) serves every entry
-    (kvsan._tokenlinks makes these too, without a Python frame)."""
-
-    __slots__ = ("rid",)
-
-
-def _reap(ref: _ChainRef) -> None:
+def _reap(chain: RequestIdentity) -> None:
     """A Request went: drop its chain (unless a newer Request under the same
-    id replaced the entry)."""
-    entry = _chains.get(ref.rid)
-    if entry is not None and entry[0] is ref:
-        del _chains[ref.rid]
+    id replaced the entry).  kvsan._tokenlinks's ``reap`` does the same
+    without a Python frame."""
+    if _chains.get(chain.rid) is chain:
+        del _chains[chain.rid]
 
 
 WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
@@ -126,16 +119,15 @@ _MAKE: list = [None]
 
 
 def _reaper():
-    """The callback of a chain entry's weak reference: kvsan._tokenlinks's
-    ``reap`` bound to :data:`_chains` where built (no Python frame per
-    request end), else :func:`_reap`."""
+    """The callback of a chain in :data:`_chains`: kvsan._tokenlinks's
+    ``reap`` bound to it where built (no Python frame per request end),
+    else :func:`_reap`."""
     reap = _identity.reap
     return functools.partial(reap, _chains) if reap is not None else _reap
 
 
 def _refresh_make() -> None:
-    _MAKE[0] = (RequestIdentity, _static_digests(None, None, _state["dtype"]), _ChainRef,
-                _reaper())
+    _MAKE[0] = (RequestIdentity, _static_digests(None, None, _state["dtype"]), _reaper())
 
 
 _refresh_make()
@@ -148,17 +140,14 @@ def _chain(request, bs: int, upto: int) -> RequestIdentity:
         if ident is not None:
             return ident
     rid = request.request_id
-    entry = _chains.get(rid)
-    if entry is not None and entry[0]() is request:
-        ident = entry[1]
-    else:  # a new request (or a new Request object reusing an id)
+    ident = _chains.get(rid)
+    if ident is None or ident() is not request:  # a new request (or Request object)
         lr = request.lora_request
         lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
                 if lr else None)
-        ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]))
-        ref = _ChainRef(request, _MAKE[0][3])
-        ref.rid = rid
-        _chains[rid] = (ref, ident)
+        ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]),
+                                request, _MAKE[0][2], rid)
+        _chains[rid] = ident
     if len(ident.tok) < upto:
         # the list behind vLLM's read-only view: slicing it is a C call
         tokens = getattr(request, "_all_token_ids", None)
