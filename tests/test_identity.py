@@ -427,8 +427,8 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
                 audit.emit = lambda v: seen.extend(v.blocks)
                 audit.on_hits("C", consumer, b"w", [(i, b.block_id, b.block_hash)
                                                     for i, b in enumerate(blocks)])
-            else:
-                seen = [b for _, b, _, _ in got[1]]
+            else:  # an int: all matched
+                seen = [] if type(got) is int else [b for _, b, _, _ in got[1]]
             assert seen == bad, (type(producer.tok), type(consumer.tok))
 
 
@@ -596,7 +596,8 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
     def verdicts(wrap):
         out = []
         for consumer in (chain(static), chain(salted), chain(static, 1000)):
-            compared, mism = fast.identity_hits(audit.records, wrap(consumer), b"w", blocks)
+            got = fast.identity_hits(audit.records, wrap(consumer), b"w", blocks)
+            compared, mism = (got, []) if type(got) is int else got  # an int: all matched
             out.append((compared, [(i, b) for i, b, _, _ in mism]))
         return out
 

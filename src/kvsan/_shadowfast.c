@@ -30,7 +30,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 10
+#define KVSAN_SHADOWFAST_ABI 11
 
 #include "_capi.h"
 #define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots too */
@@ -2622,9 +2622,11 @@ same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
     return 1;
 }
 
-/* identity_hits(records, ident, weights, blocks) -> (blocks compared,
- * [(index, block, key, producer record) of each mismatch]), or None (the
- * Python check must run) */
+/* identity_hits(records, ident, weights, blocks) -> the number of blocks
+ * compared when all matched (an int: no tuple and no list are made for the
+ * common check, two objects per prefix hit for the garbage collector),
+ * else (blocks compared, [(index, block, key, producer record) of each
+ * mismatch]), or None (the Python check must run) */
 static PyObject *
 identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2639,10 +2641,7 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *ident = args[1], *weights = args[2], *blocks = args[3];
-    PyObject *mism = PyList_New(0);
-    if (mism == NULL) {
-        return NULL;
-    }
+    PyObject *mism = NULL; /* made at the first mismatch */
     Py_ssize_t checked = 0;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(blocks); i++) {
         PyObject *blk = Py_NewRef(PyList_GET_ITEM(blocks, i));
@@ -2662,7 +2661,7 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         }
         if (r > 0) { /* not a plain id: let Python look */
             Py_DECREF(blk);
-            Py_DECREF(mism);
+            Py_XDECREF(mism);
             Py_RETURN_NONE;
         }
         key = get_field(blk, A_BLOCK_HASH);
@@ -2693,7 +2692,7 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (ok == -2) { /* a chain shorter than its index: let Python look */
             Py_DECREF(key);
             Py_DECREF(blk);
-            Py_DECREF(mism);
+            Py_XDECREF(mism);
             Py_RETURN_NONE;
         }
         if (ok < 0) {
@@ -2706,6 +2705,9 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             PyObject *record = tuple_steal(N_RECORD, rec);
             PyObject *m = record == NULL ? NULL : Py_BuildValue("(nnON)", i, b, key, record);
+            if (m != NULL && mism == NULL && (mism = PyList_New(0)) == NULL) {
+                Py_CLEAR(m);
+            }
             if (m == NULL || PyList_Append(mism, m) < 0) {
                 Py_XDECREF(m);
                 goto fail;
@@ -2719,8 +2721,11 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     fail:
         Py_XDECREF(key);
         Py_DECREF(blk);
-        Py_DECREF(mism);
+        Py_XDECREF(mism);
         return NULL;
+    }
+    if (mism == NULL) { /* all matched: the count alone (no tuple, no list per hit check) */
+        return PyLong_FromSsize_t(checked);
     }
     PyObject *out[2] = {PyLong_FromSsize_t(checked), mism};
     return tuple_steal(2, out);
@@ -2730,7 +2735,8 @@ static PyMethodDef module_methods[] = {
     {"identity_record", (PyCFunction)(void (*)(void))identity_record, METH_FASTCALL,
      "identity_record(records, producer, ident, weights, blocks, lo, hi) -> all recorded"},
     {"identity_hits", (PyCFunction)(void (*)(void))identity_hits, METH_FASTCALL,
-     "identity_hits(records, ident, weights, blocks) -> (compared, mismatches) or None"},
+     "identity_hits(records, ident, weights, blocks) -> compared (an int: all matched), "
+     "(compared, mismatches), or None"},
     {"read_pool", read_pool, METH_O,
      "read_pool(blocks) -> (int64 ref counts as bytes, free-queue flags as bytes), or None"},
     {"slot_reads", slot_reads, METH_O,

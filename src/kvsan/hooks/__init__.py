@@ -279,7 +279,7 @@ def use_native(on: bool = True) -> bool:
     if frames is not None:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
         NATIVE = frames
-    SHADOWFAST = native.load("_shadowfast", 10)
+    SHADOWFAST = native.load("_shadowfast", 11)
     hookfast = native.load("_hookfast", HOOKFAST_ABI)
     if hookfast is not None and NATIVE is not None and SHADOWFAST is not None:
         hookfast.configure(vars(_runtime), NATIVE.context, pool_checker, guard_failed)

@@ -300,7 +300,8 @@ def _check_hits(audit, pool, args, kwargs, caller) -> bool:
                       [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
                        if not b.is_null])
         return False
-    compared, mismatches = got  # compared in C; each mismatch reported as on_hits does
+    # compared in C (an int: all matched); each mismatch reported as on_hits does
+    compared, mismatches = (got, ()) if type(got) is int else got
     audit.checked += compared
     for i, block, key, known_ in mismatches:
         audit.mismatch(block, key, rid, ident, i, weights, known_)
