@@ -25,7 +25,7 @@
 #include <Python.h>
 #include <structmember.h>
 
-#define KVSAN_SLOTS_MAX 8
+#define KVSAN_SLOTS_MAX 16
 
 typedef struct {
     PyTypeObject *type; /* strong reference: the type the offsets belong to */

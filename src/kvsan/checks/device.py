@@ -125,6 +125,17 @@ def _as_words(rows: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceChecker:
+    #: what the native STEP and GUARD hooks (``kvsan._hookfast``) and the
+    #: guard's common step (``kvsan._devicefast.guard_step``) read or set
+    #: every step, kept at fixed offsets that C reads in line
+    #: (kvsan/_slots.h): between two forward passes each read through the
+    #: instance dict cost about 0.4 µs (caches cold), and a step made about
+    #: twenty.  Everything else stays in ``__dict__``.
+    __slots__ = ("pending_guard", "_may_defer", "step_hits", "_last_batch", "_slots_view",
+                 "_np", "block_size", "counters", "_rid_int", "_fast", "pending_sums",
+                 "poison_on", "checksum", "sums", "_tick", "pending_seal", "__dict__",
+                 "__weakref__")
+
     def __init__(
         self,
         num_blocks: int,
