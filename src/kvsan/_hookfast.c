@@ -514,16 +514,10 @@ dc_get(PyObject *dc, int i)
 }
 
 /* the truth of the checker's attribute ``i``: 1, 0, -1 error */
-static int
+static inline int
 dc_truth(PyObject *dc, int i)
 {
-    PyObject *v = dc_get(dc, i);
-    if (v == NULL) {
-        return -1;
-    }
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
+    return truth_of(dc_get(dc, i));
 }
 
 /* new reference: ck.journal, the step journal of the checker's pool (a
@@ -1311,16 +1305,11 @@ static int
 attr_truth(PyObject *obj, PyObject *name, int optional)
 {
     PyObject *v = PyObject_GetAttr(obj, name);
-    if (v == NULL) {
-        if (optional && PyErr_ExceptionMatches(PyExc_AttributeError)) {
-            PyErr_Clear();
-            return 0;
-        }
-        return -1;
+    if (v == NULL && optional && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+        return 0;
     }
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
+    return truth_of(v);
 }
 
 /* the truth of ``d[key]`` for a dict (``optional``: d.get(key) ... ),

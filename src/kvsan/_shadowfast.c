@@ -961,13 +961,7 @@ attr_true(PyObject *obj, int name)
     if (p == Py_True || p == Py_False) {
         return p == Py_True;
     }
-    PyObject *v = get_field(obj, name);
-    if (v == NULL) {
-        return -1;
-    }
-    int r = PyObject_IsTrue(v);
-    Py_DECREF(v);
-    return r;
+    return truth_of(get_field(obj, name));
 }
 
 /* 1: ``b`` is one of the table's null blocks or in the mismatch set */

@@ -113,6 +113,19 @@ slots_set(SlotTable *t, PyObject *obj, int i, PyObject *value, PyObject *const *
     return PyObject_SetAttr(obj, names[i], value);
 }
 
+/* the truth of ``v`` (a new reference, let go; NULL: an error already
+ * set): 1, 0, -1 */
+static inline int
+truth_of(PyObject *v)
+{
+    if (v == NULL) {
+        return -1;
+    }
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
 /* 1 with ``*out`` set when ``v`` is an exact int of at most one digit (block
  * ids, counts, steps, token ids), read from its digit; 0 otherwise (then
  * PyLong_AsSsize_t or PyObject_Hash) */
