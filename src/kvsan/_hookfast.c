@@ -869,6 +869,13 @@ listed(PyObject *managers, PyObject *rid)
     return 0;
 }
 
+/* the last ``(text, step)`` end_clean filed: the ends of one step for one
+ * reason share it (AllocatorChecker._note_end shares its own the same way).
+ * A tuple per end was one more object for the garbage collector per
+ * request, and until RECENT_ENDS of them were filed every one stayed: at
+ * 256 live requests about one young collection in ten. */
+static PyObject *end_value = NULL;
+
 /* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
  * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
  * for the clean case -- the scheduler no longer tracks the request (no
@@ -883,13 +890,6 @@ listed(PyObject *managers, PyObject *rid)
  * state for this runtime or scheduler, a status not seen yet, something to
  * report, a failure of its own -- goes to ``post(scheduler, request)``, the
  * Python check, which decides. */
-/* the last ``(text, step)`` end_clean filed: the ends of one step for one
- * reason share it (AllocatorChecker._note_end shares its own the same way).
- * A tuple per end was one more object for the garbage collector per
- * request, and until RECENT_ENDS of them were filed every one stayed: at
- * 256 live requests about one young collection in ten. */
-static PyObject *end_value = NULL;
-
 static int
 end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
 {

@@ -16,7 +16,6 @@
 #define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots */
 #include "_slots.h"
 
-
 #if SIZEOF_PY_UHASH_T > 4
 #define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
 #define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)

@@ -61,7 +61,7 @@ _extend_text = None
 #: ``kvsan._tokenlinks.known_chain`` (a known text-only request's chain
 #: looked up and extended in one call) when in use, else None
 known_chain = None
-#: ``kvsan._tokenlinks.reap`` (a chain entry's weak-reference callback, as
+#: ``kvsan._tokenlinks.reap`` (a chain's callback when its request goes, as
 #: ``kvsan.hooks.vllm_identity._reap``) when in use, else None
 reap = None
 #: what a new chain keeps its token links in: ``kvsan._tokenlinks.Links``
