@@ -351,6 +351,12 @@ def test_native_token_links_equal_the_python_chain():
     with pytest.raises(ArithmeticError):
         extend_text(tok, mm, emb, list(range(32)) + [Unhashable()], 16, 3)
     assert (tok, mm, emb) == ([5], [b""], [b""])
+    from kvsan._tokenlinks import Links  # a chain's links as C keeps them: the same
+
+    tok, mm, emb = Links([5]), [b""], [b""]
+    with pytest.raises(ArithmeticError):
+        extend_text(tok, mm, emb, list(range(32)) + [Unhashable()], 16, 3)
+    assert (tok, mm, emb) == ([5], [b""], [b""]) and len(tok) == 1
 
 
 def test_token_links_are_one_untracked_array_that_compares_with_lists(native):

@@ -448,16 +448,18 @@ tok_size(PyObject *tok)
     return Links_Check(tok) ? ((LinksObject *)tok)->n : PyList_GET_SIZE(tok);
 }
 
-/* the links of ``tok`` after the first ``n`` dropped: 0, or -1 with an exception */
+/* ``chain`` (a Links, or a list: a chain's ``tok``, ``mm`` or ``emb``) cut
+ * back to its first ``n`` items: 0, or -1 with an exception */
 static int
-tok_cut(PyObject *tok, Py_ssize_t n)
+tok_cut(PyObject *chain, Py_ssize_t n)
 {
-    if (Links_Check(tok)) {
-        LinksObject *l = (LinksObject *)tok;
+    if (Links_Check(chain)) {
+        LinksObject *l = (LinksObject *)chain;
         l->n = n < l->n ? n : l->n;
         return 0;
     }
-    return PyList_GET_SIZE(tok) > n ? PyList_SetSlice(tok, n, PyList_GET_SIZE(tok), NULL) : 0;
+    Py_ssize_t len = PyList_GET_SIZE(chain);
+    return len > n ? PyList_SetSlice(chain, n, len, NULL) : 0;
 }
 
 /* extend_text(tok, mm, emb, tokens, bs, upto): a text-only request's
