@@ -257,6 +257,47 @@ def test_held_map_keeps_one_entry_per_owner_and_forgets_it_at_zero(make):
 
 
 @pytest.mark.parametrize("make", _held_maps())
+def test_held_map_agrees_with_a_dict_through_growth_churn_and_shrinking(make):
+    """Random takes and drops against a dict: every owner found with its
+    count after each removal has moved other entries back (the C map
+    keeps no removed-slot markers), through growth to 20,000 owners, the
+    shrink of the mostly empty table and a second fill."""
+    import random
+
+    rng = random.Random(7)
+    m, model = make(), {}
+
+    def check(sample):
+        assert len(m) == len(model)
+        for o in sample:
+            assert m.get(o) is None if o not in model else m[o].n == model[o]
+
+    names = [f"req-{i}" for i in range(20_000)]
+    for phase, (lo, hi) in enumerate([(0, 20_000), (0, 40), (5_000, 9_000)]):
+        for o in names[lo:hi]:  # fill
+            n = rng.randint(1, 3)
+            m.take(o, n, phase)
+            model[o] = model.get(o, 0) + n
+        for _ in range(30_000 if phase != 1 else 0):  # churn, dropping most
+            o = rng.choice(names)
+            if o in model and rng.random() < 0.75:
+                n = rng.randint(1, model[o])
+                assert m.drop(o, n) == model[o] - n
+                model[o] -= n
+                if not model[o]:
+                    del model[o]
+            else:
+                m.take(o, 1, phase)
+                model[o] = model.get(o, 0) + 1
+            if _ % 997 == 0:
+                check(rng.sample(names, 200))
+        for o in list(model)[: len(model) - 25]:  # down to 25 owners
+            assert m.drop(o, model.pop(o)) == 0
+        check(names)
+        assert sorted(m) == sorted(model)
+
+
+@pytest.mark.parametrize("make", _held_maps())
 def test_held_map_names_a_bad_owner_and_an_unknown_release(make):
     m = make()
     with pytest.raises(TypeError, match="an owner is a str, not int"):

@@ -230,13 +230,22 @@ static PyTypeObject HoldType = {
  * and a Hold freed per request: profiled in a 4-block prefix hit, 480 of
  * kvsan's 1,700 instructions.  Here an owner is one inline entry of an
  * open-addressed table (its count, time and step in place, no object per
- * owner; removed slots are reused), keyed by the owner str with its cached
- * hash.  Owners are strs; Python reads an entry as a Hold snapshot. */
+ * owner), keyed by the owner str with its cached hash.  Owners are strs;
+ * Python reads an entry as a Hold snapshot.
+ *
+ * Linear probing with backward-shift deletion: a removal moves the entries
+ * after it back, so the table keeps no removed-slot markers and is never
+ * rebuilt to clear them.  With markers (Python's dict scheme, this table's
+ * first form) the churn of requests, each an insert and a remove, filled
+ * the table with them: every new owner probed past them, and the table was
+ * rebuilt every few dozen requests (in a 4-block prefix hit, the map's
+ * insert was a third of kvsan's added time; a rebuild every 64 requests
+ * cost 3.3 µs).  A probe here walks adjacent entries (two per cache line). */
 
 /* 32 bytes: the map is part of the shadow's memory per block (a request
- * holds 16 blocks or so, and a table is at most two thirds full) */
+ * holds 16 blocks or so, and a table is at most half full) */
 typedef struct {
-    PyObject *key;   /* the owner; NULL never used; HELD_DUMMY removed */
+    PyObject *key;   /* the owner; NULL an empty slot */
     double t;        /* monotonic time (coarse clock) it began to hold */
     Py_ssize_t n;    /* references held (>= 1 while in the map) */
     uint32_t hash;   /* the key's hash, its low 32 bits (probes compare it first) */
@@ -248,12 +257,13 @@ typedef struct {
     HeldEntry *e;
     size_t mask; /* capacity - 1; the capacity is a power of two */
     Py_ssize_t used; /* owners */
-    Py_ssize_t fill; /* owners + removed slots (a probe ends at a never-used one) */
 } HeldMap;
 
-static char held_dummy_mark;
-#define HELD_DUMMY ((PyObject *)&held_dummy_mark)
 #define HELD_MIN 8
+/* a table this large or smaller is never shrunk (32 KB): a rebuild costs a
+ * pass over the table, and the number of requests in flight swings between
+ * a few and a few hundred step after step */
+#define HELD_KEEP 1024
 
 static PyTypeObject HeldMapType;
 
@@ -291,41 +301,37 @@ str_same(PyObject *a, PyObject *b)
     return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * PyUnicode_KIND(a)) == 0;
 }
 
-/* ``owner``'s entry (*found 1), or the slot it would take (*found 0: the
- * first removed slot on its probe, else the never-used one that ended it) */
+/* ``owner``'s entry (*found 1), or the empty slot that ended its probe
+ * (*found 0: where it goes in) */
 static HeldEntry *
 held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
 {
-    /* placed by the hash's low 32 bits, which the entry keeps (held_resize) */
-    size_t mask = m->mask, perturb = (uint32_t)h, i = perturb & mask;
-    HeldEntry *slot = NULL;
+    /* placed by the hash's low 32 bits, which the entry keeps (held_resize,
+     * held_remove) */
+    size_t mask = m->mask, i = (uint32_t)h & mask;
     for (;;) {
         HeldEntry *e = &m->e[i];
         PyObject *k = e->key;
         if (k == NULL) {
             *found = 0;
-            return slot != NULL ? slot : e;
+            return e;
         }
-        if (k == HELD_DUMMY) {
-            if (slot == NULL) {
-                slot = e;
-            }
-        } else if (k == owner || (e->hash == (uint32_t)h && str_same(k, owner))) {
+        if (k == owner || (e->hash == (uint32_t)h && str_same(k, owner))) {
             *found = 1;
             return e;
         }
-        perturb >>= 5;
-        i = (i * 5 + perturb + 1) & mask;
+        i = (i + 1) & mask;
     }
 }
 
-/* the table rebuilt for ``need`` owners: at most half full, removed slots
- * dropped; -1 with MemoryError */
+/* the table rebuilt with a capacity of at least 4 * ``need`` (a quarter
+ * full, so it takes as many owners again before it grows); -1 with
+ * MemoryError (the table unchanged) */
 static int
 held_resize(HeldMap *m, Py_ssize_t need)
 {
     size_t cap = HELD_MIN;
-    while (cap < (size_t)need * 2) {
+    while (cap < (size_t)need * 4) {
         cap <<= 1;
     }
     HeldEntry *e = PyMem_Calloc(cap, sizeof(HeldEntry));
@@ -337,9 +343,8 @@ held_resize(HeldMap *m, Py_ssize_t need)
     size_t old_cap = old != NULL ? m->mask + 1 : 0;
     m->e = e;
     m->mask = cap - 1;
-    m->fill = m->used;
     for (size_t j = 0; j < old_cap; j++) {
-        if (old[j].key != NULL && old[j].key != HELD_DUMMY) {
+        if (old[j].key != NULL) {
             int found; /* (never: the owners are distinct) */
             *held_find(m, old[j].key, old[j].hash, &found) = old[j];
         }
@@ -378,14 +383,11 @@ held_take(HeldMap *m, PyObject *owner, Py_ssize_t k, long long step)
         e->n += k;
         return 0;
     }
-    if (e->key == NULL && (size_t)(m->fill + 1) * 3 > (m->mask + 1) * 2) {
+    if ((size_t)(m->used + 1) * 2 > m->mask + 1) { /* at most half full */
         if (held_resize(m, m->used + 1) < 0) {
             return -1;
         }
         e = held_find(m, owner, h, &found);
-    }
-    if (e->key == NULL) {
-        m->fill++;
     }
     m->used++;
     e->key = Py_NewRef(owner);
@@ -410,13 +412,37 @@ held_get(HeldMap *m, PyObject *owner)
     return found ? e : NULL;
 }
 
+/* ``e`` (an entry of ``m``) removed: each entry after it on the run up to
+ * the next empty slot moves back into the hole where its own probe (from
+ * its home slot) passes the hole, so every probe still finds its owner
+ * before an empty slot.  A large table left mostly empty is shrunk (a
+ * failure to is ignored: the table stays as it is). */
 static void
 held_remove(HeldMap *m, HeldEntry *e)
 {
     PyObject *k = e->key;
-    e->key = HELD_DUMMY;
+    size_t mask = m->mask, hole = (size_t)(e - m->e), j = hole;
+    for (;;) {
+        j = (j + 1) & mask;
+        HeldEntry *f = &m->e[j];
+        if (f->key == NULL) {
+            break;
+        }
+        size_t home = f->hash & mask;
+        /* f may move to the hole unless its home lies after the hole, up
+         * to f itself (cyclically) */
+        if (((j - home) & mask) >= ((j - hole) & mask)) {
+            m->e[hole] = *f;
+            hole = j;
+        }
+    }
+    m->e[hole].key = NULL;
     m->used--;
     Py_DECREF(k);
+    if (m->mask + 1 > HELD_KEEP && (size_t)m->used * 16 < m->mask + 1
+        && held_resize(m, m->used) < 0) {
+        PyErr_Clear();
+    }
 }
 
 static PyObject *
@@ -447,7 +473,7 @@ HeldMap_tp_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     }
     m->e = NULL;
-    m->used = m->fill = 0;
+    m->used = 0;
     if (held_resize(m, 0) < 0) {
         Py_DECREF(m);
         return NULL;
@@ -460,7 +486,7 @@ HeldMap_dealloc(HeldMap *m)
 {
     if (m->e != NULL) {
         for (size_t j = 0; j <= m->mask; j++) {
-            if (m->e[j].key != NULL && m->e[j].key != HELD_DUMMY) {
+            if (m->e[j].key != NULL) {
                 Py_DECREF(m->e[j].key);
             }
         }
@@ -512,7 +538,7 @@ HeldMap_keys(HeldMap *m, PyObject *unused)
     Py_ssize_t i = 0;
     for (size_t j = 0; j <= m->mask && i < m->used; j++) {
         PyObject *k = m->e[j].key;
-        if (k != NULL && k != HELD_DUMMY) {
+        if (k != NULL) {
             PyList_SET_ITEM(out, i++, Py_NewRef(k));
         }
     }
@@ -540,7 +566,7 @@ HeldMap_items(HeldMap *m, PyObject *unused)
     }
     for (size_t j = 0; j <= m->mask; j++) {
         HeldEntry *e = &m->e[j];
-        if (e->key == NULL || e->key == HELD_DUMMY) {
+        if (e->key == NULL) {
             continue;
         }
         PyObject *h = held_snapshot(e);
