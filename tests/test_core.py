@@ -278,7 +278,7 @@ def test_held_map_agrees_with_a_dict_through_growth_churn_and_shrinking(make):
             n = rng.randint(1, 3)
             m.take(o, n, phase)
             model[o] = model.get(o, 0) + n
-        for _ in range(30_000 if phase != 1 else 0):  # churn, dropping most
+        for i in range(30_000 if phase != 1 else 0):  # churn, dropping most
             o = rng.choice(names)
             if o in model and rng.random() < 0.75:
                 n = rng.randint(1, model[o])
@@ -289,7 +289,7 @@ def test_held_map_agrees_with_a_dict_through_growth_churn_and_shrinking(make):
             else:
                 m.take(o, 1, phase)
                 model[o] = model.get(o, 0) + 1
-            if _ % 997 == 0:
+            if i % 997 == 0:
                 check(rng.sample(names, 200))
         for o in list(model)[: len(model) - 25]:  # down to 25 owners
             assert m.drop(o, model.pop(o)) == 0
