@@ -345,6 +345,20 @@ def inject_leaked_blocks(mc):
     assert v.owners == ["A"] and sorted(v.blocks) == sorted(held)
 
 
+def inject_stale_cache_hit(mc):
+    _room(mc, 8)
+    prefix = fresh(3 * BLOCK)
+    _req(mc, prefix + fresh(2), "A")
+    cached = mc.m.get_blocks("A").blocks[0][:3]
+    mc._end("A", "FINISHED_STOPPED")
+    for blk in cached:
+        blk.reset_hash()  # the key dropped from the block, its cache-map entry left
+    _req(mc, prefix + fresh(3), "D")  # D's hit is served the keyless blocks
+    got = _found(mc, "stale_cache_hit")
+    assert sorted(b for v in got for b in v.blocks) == sorted(b.block_id for b in cached)
+    assert all(v.owners == ["D"] and v.actor == "D" for v in got)
+
+
 FAULTS = {name[len("inject_"):]: fn for name, fn in globals().items()
           if name.startswith("inject_")}
 

@@ -2649,7 +2649,8 @@ same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
  * compared when all matched (an int: no tuple and no list are made for the
  * common check, two objects per prefix hit for the garbage collector),
  * else (blocks compared, [(index, block, key, producer record) of each
- * mismatch]), or None (the Python check must run) */
+ * mismatch]), or None (the Python check must run: also for a block served
+ * without a cache key, which it reports) */
 static PyObject *
 identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -2691,8 +2692,14 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (key == NULL) {
             goto fail;
         }
+        if (key == Py_None) { /* served without a cache key: Python reports it */
+            Py_DECREF(key);
+            Py_DECREF(blk);
+            Py_XDECREF(mism);
+            Py_RETURN_NONE;
+        }
         PyObject *known = b >= 0 && b < n ? PyList_GET_ITEM(lists[R_KEY], b) : Py_None;
-        if (known == Py_None || key == Py_None) {
+        if (known == Py_None) {
             goto next; /* cached on a path kvsan did not see */
         }
         int eq = PyObject_RichCompareBool(known, key, Py_EQ);

@@ -14,6 +14,11 @@ INVALID_RELEASE = "invalid_release"
 REFCOUNT_MISMATCH = "refcount_mismatch"
 FREE_QUEUE_CORRUPTION = "free_queue_corruption"
 LEAKED_BLOCKS = "leaked_blocks"
+#: a prefix hit served from a block that carries no cache key: the engine's
+#: cache map still maps a key to a block whose key was dropped (evicted, or
+#: handed out fresh without an eviction), so the hit reads whatever the
+#: block holds now
+STALE_CACHE_HIT = "stale_cache_hit"
 
 #: Every kind the allocator-side checks can emit, in report order.
 ALLOCATOR_KINDS = (
@@ -26,6 +31,7 @@ ALLOCATOR_KINDS = (
     REFCOUNT_MISMATCH,
     FREE_QUEUE_CORRUPTION,
     LEAKED_BLOCKS,
+    STALE_CACHE_HIT,
 )
 
 
@@ -58,6 +64,7 @@ CLASS_OF = {
     FREE_WITH_LIVE_OWNERS: CORRUPTION,
     REUSE_WITH_LIVE_OWNERS: CORRUPTION,
     EVICT_WITH_LIVE_OWNERS: CORRUPTION,
+    STALE_CACHE_HIT: CORRUPTION,
     OVERWRITE_SHARED_BLOCK: CORRUPTION,
     CHECKSUM_MISMATCH: CORRUPTION,
     UNINITIALIZED_HIT: CORRUPTION,

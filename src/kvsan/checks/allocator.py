@@ -338,6 +338,27 @@ class AllocatorChecker:
         for b in sh.cached_blocks():
             sh.set_uncached(b)
 
+    def on_stale_hits(self, consumer: str, blocks: Sequence[int], site: str) -> None:
+        """``consumer`` was served ``blocks`` as prefix hits, but none of
+        them carries a cache key.  The engine's cache map hands out only
+        blocks registered under a key, and an eviction drops the key and
+        the map entry together; a block without a key behind a hit is a map
+        entry left behind when the block's key was dropped (evicted, or
+        handed out fresh without an eviction), so the hit reads whatever
+        the block holds now.  The owners at stake: ``consumer`` and whoever
+        holds the block now."""
+        sh = self.shadow
+        for b in blocks:
+            holders = [o for o in sh.owners(b) if o != consumer]
+            now = f", which {', '.join(holders)} hold(s) now" if holders else ""
+            self._report(
+                kinds.STALE_CACHE_HIT,
+                f"{consumer} was served block {b} as a prefix hit, but the block carries no "
+                f"cache key: the cache map still points a key at it after its key was "
+                f"dropped{now}",
+                [b], holders + [consumer], consumer, site,
+            )
+
     # -- request lifecycle --------------------------------------------------
     def on_request_released(self, rid: str, reason: str, site: str, final: bool = True) -> None:
         """``rid``'s release path has run (finish, abort, preemption): it must
@@ -438,11 +459,16 @@ class AllocatorChecker:
         linked: Sequence[bool],
         live_requests: set[str] | None,
         site: str = "kvsan.audit",
+        free_count: int | None = None,
     ) -> int:
         """Compare the whole table with the engine's view; returns findings.
         ``refs``/``linked``: the engine's count and free-queue membership per
         block (sequences or numpy arrays); ``live_requests``: requests the
-        engine still tracks (None: unknown).
+        engine still tracks (None: unknown); ``free_count``: the number of
+        free blocks the engine's free queue counts (None: unknown), which
+        must be the number linked in it: the scheduler admits and preempts
+        by that count, so a count below it strands blocks nobody holds, and
+        one above it hands out blocks the queue does not have.
 
         Vectorised: one numpy pass over the pool finds the blocks where the
         engine and the table disagree, and only those are examined one by one
@@ -474,6 +500,12 @@ class AllocatorChecker:
             if not bool(linked[b]) and ref == 0 and n == 0:
                 once(kinds.LEAKED_BLOCKS, b, None,
                      f"block {b} is neither free nor owned (orphan)", [b], [])
+        if free_count is not None:
+            n_linked = int(np.count_nonzero(np.asarray(linked, dtype=bool)[:sh.num_blocks]))
+            if free_count != n_linked:
+                once(kinds.FREE_QUEUE_CORRUPTION, None, ("count", free_count, n_linked),
+                     f"the free queue counts {free_count} free block(s) but {n_linked} "
+                     "are linked in it", [], [])
         if live_requests is not None:
             for owner in list(sh.held):
                 if owner in sh.nonrequest or owner in sh.ended or owner in live_requests:

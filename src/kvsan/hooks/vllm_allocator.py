@@ -507,8 +507,11 @@ def audit_scheduler(rt, sched, site="kvsan.audit") -> int:
     ck = _scheduler_checker(rt, sched)
     if ck is None:
         return 0
-    refs, linked = pool_view(sched.kv_cache_manager.block_pool.blocks)
-    found = ck.audit(refs, linked, set(sched.requests), site)
+    pool = sched.kv_cache_manager.block_pool
+    refs, linked = pool_view(pool.blocks)
+    free_count = getattr(getattr(pool, "free_block_queue", None), "num_free_blocks", None)
+    found = ck.audit(refs, linked, set(sched.requests), site,
+                     free_count if type(free_count) is int else None)
     if rt.metrics is not None:
         from ..owners import orphan_blocks
 
@@ -674,8 +677,10 @@ def _request_ended(sched, request) -> None:
     try:
         rid = request.request_id
         status = _STATUS_TEXT.get(getattr(request, "status", None)) or _status(request)
-        if rid in sched.requests:
+        if rid in sched.requests and _may_delay_free(sched):
             ck.on_request_pending_release(rid, status)
+        elif rid in sched.requests:  # kept, though nothing can delay its free
+            ck.on_request_released(rid, status, call_site(1))
         else:  # the call site is read only for a request with something to report
             site = call_site(1) if ck.shadow.held.get(rid) else "?"
             ck.on_request_released(rid, status, site)
@@ -686,6 +691,24 @@ def _request_ended(sched, request) -> None:
         guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
     finally:
         rt.overhead_s += _perf_counter() - t0
+
+
+def _may_delay_free(sched) -> bool:
+    """Whether ``sched`` may keep a finished request's blocks after its
+    release path ran.  vLLM 0.32 delays a free only for a KV or EC connector
+    (``_connector_finished``, ``ec_connector.request_finished``, and
+    ``finish_requests`` for a request waiting on remote KV, which only a
+    connector makes).  A scheduler with neither connector and vLLM's own
+    ``_connector_finished`` never delays one: a request it keeps tracked
+    with blocks is leaking them now, not after the grace period.  Anything
+    else (another version, a replaced method) may delay."""
+    if getattr(sched, "connector", True) is not None or getattr(sched, "ec_connector", True) is not None:
+        return True
+    if "_connector_finished" in getattr(sched, "__dict__", ()):
+        return True
+    own = getattr(type(sched), "_connector_finished", None)
+    return (getattr(own, "__module__", None) != "vllm.v1.core.sched.scheduler"
+            or getattr(own, "__qualname__", None) != "Scheduler._connector_finished")
 
 
 #: the scheduler's methods whose native hooks check its clean request ends

@@ -296,6 +296,9 @@ def _check_hits(audit, pool, args, kwargs, caller) -> bool:
     got = (fast.identity_hits(audit.records, ident, weights, blocks)
            if fast is not None and type(blocks) is list else None)
     if got is None:
+        stale = [b.block_id for b in blocks if b.block_hash is None and not b.is_null]
+        if stale:
+            _stale_hits(pool, rid, stale)
         audit.on_hits(rid, ident, weights,
                       [(i, b.block_id, b.block_hash) for i, b in enumerate(blocks)
                        if not b.is_null])
@@ -306,6 +309,15 @@ def _check_hits(audit, pool, args, kwargs, caller) -> bool:
     for i, block, key, known_ in mismatches:
         audit.mismatch(block, key, rid, ident, i, weights, known_)
     return not mismatches
+
+
+def _stale_hits(pool, rid: str, blocks: list[int]) -> None:
+    """Prefix hits served from blocks without a cache key, reported by the
+    pool's allocator checker (its table says who holds them now)."""
+    rt = _rt._runtime
+    ck = rt.checkers.get(pool) if rt is not None else None
+    if ck is not None:
+        ck.on_stale_hits(rid, blocks, _hooks.call_site(1))
 
 
 def _collective_rpc(wrapped, instance, args, kwargs):
