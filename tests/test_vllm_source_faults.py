@@ -30,8 +30,14 @@ BLOCK = 16
 @contextlib.contextmanager
 def mutated(cls, name: str, old: str, new: str):
     """``cls.name`` rebuilt from vLLM's source with the statement ``old``
-    (exact text, which must be there once) replaced by ``new``.  Only for
-    methods kvsan does not hook (putting one back would drop its hook)."""
+    (exact text, which must be there once) replaced by ``new``.  A method
+    kvsan hooks is unhooked first and hooked again once changed (as the
+    plugin hooks vLLM's methods, whatever their code), then restored."""
+    from kvsan import hooks
+    from kvsan.hooks import vllm_allocator
+
+    hooked = [t for t in vllm_allocator.targets() if t.qualname == f"{cls.__name__}.{name}"]
+    hooks.uninstrument(hooked)
     fn = vars(cls)[name]
     src = textwrap.dedent(inspect.getsource(fn))
     assert src.count(old) == 1, f"{cls.__name__}.{name} no longer has {old!r}"
@@ -39,10 +45,13 @@ def mutated(cls, name: str, old: str, new: str):
     ns = dict(fn.__globals__)
     exec(compile(tree, inspect.getsourcefile(fn), "exec"), ns)
     setattr(cls, name, ns[name])
+    hooks.instrument(hooked)
     try:
         yield
     finally:
+        hooks.uninstrument(hooked)
         setattr(cls, name, fn)
+        hooks.instrument(hooked)
 
 
 _tok = iter(range(30_000, 10**9))
@@ -159,3 +168,29 @@ def test_release_path_that_keeps_the_request_without_a_connector(rt):
     v = only(rt, "leaked_blocks")
     assert [(x.owners, sorted(x.blocks), x.actor) for x in v] == [(["K1"], held, "K1")]
     assert rt.checkers[sched.kv_cache_manager.block_pool].pending_release == {}
+
+
+def test_abort_that_loses_a_request(rt):
+    """vLLM's ``finish_requests`` takes an aborted request out of the
+    running queue but never finishes it: it stays tracked, unfinished, in
+    no queue, so it will neither run again nor release its blocks.  kvsan
+    reads the ids the abort was asked for and reports the leak when it
+    returns, naming the request and its blocks (in C, the clean aborts pass;
+    this one goes to the Python check)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import RequestStatus
+
+    from test_scheduler_paths import running
+
+    sched = running("L0", "L1", "L2", token=880)
+    sched.finish_requests(["L0"], RequestStatus.FINISHED_ABORTED)  # clean: the native hook's state
+    assert kinds_of(rt) == [] and "L0" not in sched.requests
+    held = sorted(sched.kv_cache_manager.get_block_ids("L1")[0])
+    with mutated(Scheduler, "finish_requests", "valid_requests.append(request)", "pass"):
+        sched.finish_requests(["L1"], RequestStatus.FINISHED_ABORTED)
+        lost = sched.requests["L1"]
+        assert not lost.is_finished() and lost not in sched.running  # the fault happened
+        v = only(rt, "leaked_blocks")
+        assert [(x.owners, sorted(x.blocks), x.actor) for x in v] == [(["L1"], held, "L1")]
+        sched.finish_requests("L2", RequestStatus.FINISHED_ABORTED)  # one id, as a str
+        assert sorted(x.owners[0] for x in only(rt, "leaked_blocks")) == ["L1", "L2"]

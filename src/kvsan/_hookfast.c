@@ -86,7 +86,8 @@ static PyObject *c_rt = NULL, *c_pool_ref = NULL, *c_ck = NULL;
 static PyObject *s_runtime, *s_owner_ctx, *s_step, *s_journal, *s_uncached, *s_freed,
     *s_cached, *s_overhead_s, *s_fast, *s_allocate, *s_share, *s_snapshot, *s_release,
     *s_cache, *s_current_owner, *s_unknown, *s_request, *s_blocks, *s_num_cached,
-    *s_num_full, *s_preempted, *s_request_id, *s_new_computed_blocks, *s_block_pool,
+    *s_num_full, *s_preempted, *s_request_id, *s_request_ids, *s_new_computed_blocks,
+    *s_block_pool,
     *s_checked, *s_status,
     *s_requests, *s_req_to_blocks, *s_kv_cache_group_id, *s_is_null, *s_dropped, *s_block_id,
     *s_remove_blocks, *zero, *one;
@@ -1020,7 +1021,7 @@ out:
  * abort path that skipped the release -- goes to ``post(scheduler,
  * result)``.  1 clean, 0 not. */
 static int
-finish_clean(PyObject *st, PyObject *ret)
+finish_clean(PyObject *st, PyObject *sched, PyObject *ids, PyObject *ret)
 {
     PyObject *ends = PyTuple_GET_ITEM(st, 2), *pending = PyTuple_GET_ITEM(st, 4);
     if (!PyList_CheckExact(ret)) {
@@ -1032,6 +1033,29 @@ finish_clean(PyObject *st, PyObject *ret)
         ok = rid != NULL && PyUnicode_CheckExact(rid)
              && (PyDict_Contains(ends, rid) == 1 || PyDict_Contains(pending, rid) == 1);
         Py_XDECREF(rid);
+    }
+    /* and every request asked for left the scheduler's table, or waits on
+     * its delayed free (else an abort may have lost it: Python looks, see
+     * vllm_allocator._dropped); ids of other kinds (an iterator, spent by
+     * now) are not read */
+    PyObject *requests = ok && ids != NULL ? PyObject_GetAttr(sched, s_requests) : NULL;
+    if (requests != NULL) {
+        if (!PyDict_CheckExact(requests)) {
+            ok = 0;
+        } else if (ids == Py_None) { /* all of them */
+            ok = PyDict_GET_SIZE(requests) <= PyDict_GET_SIZE(pending);
+        } else if (PyUnicode_CheckExact(ids)) {
+            ok = PyDict_Contains(requests, ids) == 0 || PyDict_Contains(pending, ids) == 1;
+        } else if (PyList_CheckExact(ids) || PyTuple_CheckExact(ids) || PyAnySet_CheckExact(ids)) {
+            PyObject *seq = PySequence_Fast(ids, "ids");
+            for (Py_ssize_t i = 0; seq != NULL && i < PySequence_Fast_GET_SIZE(seq) && ok; i++) {
+                PyObject *rid = PySequence_Fast_GET_ITEM(seq, i);
+                ok = PyDict_Contains(requests, rid) == 0 || PyDict_Contains(pending, rid) == 1;
+            }
+            ok = ok && seq != NULL;
+            Py_XDECREF(seq);
+        }
+        Py_DECREF(requests);
     }
     PyErr_Clear();
     return ok;
@@ -1056,14 +1080,20 @@ ended_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) {
         double t0 = now();
+        PyObject *ids = h->kind == K_FINISH ? arg(args, PyVectorcall_NARGS(nargsf), kwnames, 1,
+                                                 s_request_ids)
+                                            : NULL; /* borrowed */
         int done = running() == rt
                    && (h->kind == K_END       ? end_clean(st, rt, sched, request)
                        : h->kind == K_PREEMPT ? preempt_clean(st, request)
-                                              : finish_clean(st, ret));
+                                              : finish_clean(st, sched, ids, ret));
         PyErr_Clear();
         double dt = now() - t0;
         if (done) {
             took(h, rt, dt);
+        } else if (h->kind == K_FINISH && ids != NULL) {
+            PyObject *pargv[3] = {sched, ret, ids};
+            post(h, pargv, 3, &ret);
         } else {
             PyObject *pargv[2] = {sched, request != NULL ? request : ret};
             post(h, pargv, 2, &ret);
@@ -2565,6 +2595,7 @@ PyInit__hookfast(void)
     INTERN(s_blocks, "blocks");
     INTERN(s_num_cached, "num_cached_blocks");
     INTERN(s_num_full, "num_full_blocks");
+    INTERN(s_request_ids, "request_ids");
     INTERN(s_request_id, "request_id");
     INTERN(s_preempted, "preempted");
     INTERN(s_new_computed_blocks, "new_computed_blocks");

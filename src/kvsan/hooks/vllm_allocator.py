@@ -774,30 +774,60 @@ def _preempted(sched, request) -> None:
 def _finish_requests(wrapped, instance, args, kwargs):
     """vLLM's ``finish_requests``, then :func:`_finished`."""
     ret = wrapped(*args, **kwargs)
-    _finished(instance, ret)
+    ids = args[0] if args else kwargs.get("request_ids", _NOT_GIVEN)
+    _finished(instance, ret, ids)
     return ret
 
 
-def _finished(sched, ret) -> None:
+_NOT_GIVEN = object()
+
+
+def _finished(sched, ret, request_ids=_NOT_GIVEN) -> None:
     """After requests finished from outside the scheduler (aborts): each must
     hold nothing.  vLLM's own path checks them already (``_free_request``,
-    which records their end); this catches an abort path that skipped it.
-    Where ``kvsan._hookfast`` is built, its FINISH hook passes the calls
-    whose requests all ended that way and hands this the rest."""
+    which records their end); this catches an abort path that skipped it,
+    and one that dropped a request it was asked to finish (see
+    :func:`_dropped`).  Where ``kvsan._hookfast`` is built, its FINISH hook
+    passes the calls whose requests all ended that way and hands this the
+    rest."""
     rt = _rt._runtime
     ck = _scheduler_checker(rt, sched) if rt is not None else None
-    if ck is not None and ret:
-        ends, pending = ck.recent_ends, ck.pending_release
-        todo = [r for r in ret if r.request_id not in ends and r.request_id not in pending]
-        if todo:
-            site = _site()
+    if ck is None:
+        return
+    ends, pending = ck.recent_ends, ck.pending_release
+    todo = [r for r in ret or () if r.request_id not in ends and r.request_id not in pending]
+    if request_ids is not _NOT_GIVEN:
+        todo += _guard(rt, "finish_requests", _dropped, sched, request_ids) or []
+    if todo:
+        site = _site()
 
-            def check():
-                for request in todo:
-                    ck.on_request_released(request.request_id, _status(request), site)
-            _guard(rt, "finish_requests", check)
-        if _hooks.HOOKFAST is not None:
-            _guard(rt, "finish_requests", _hand_ends_to_native, rt, sched, ck)
+        def check():
+            for request in todo:
+                ck.on_request_released(request.request_id, _status(request), site)
+        _guard(rt, "finish_requests", check)
+    if ret and _hooks.HOOKFAST is not None:
+        _guard(rt, "finish_requests", _hand_ends_to_native, rt, sched, ck)
+
+
+def _dropped(sched, request_ids) -> list:
+    """The requests ``finish_requests(request_ids)`` was asked to finish
+    that it left unfinished and out of the scheduler's queues: tracked, yet
+    never to run again nor be released (an abort path that lost them).
+    vLLM finishes every tracked request it is asked to that has not
+    finished.  ``request_ids`` as vLLM takes it: one id, ids, or None for
+    all (an iterator is spent by then: nothing to read)."""
+    reqs = sched.requests
+    if isinstance(request_ids, str):
+        request_ids = (request_ids,)
+    elif request_ids is None:
+        request_ids = list(reqs)
+    left = [r for r in map(reqs.get, request_ids) if r is not None and not r.is_finished()]
+    if not left:
+        return []
+    queued = {id(r) for r in getattr(sched, "running", ())}
+    for name in ("waiting", "skipped_waiting", "kv_holding_waiting"):
+        queued.update(id(r) for r in getattr(sched, name, ()) or ())
+    return [r for r in left if id(r) not in queued]
 
 
 def _remove_blocks_in_range(wrapped, instance, args, kwargs):
