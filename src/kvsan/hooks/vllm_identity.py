@@ -297,6 +297,9 @@ def _check_hits(audit, pool, args, kwargs, caller) -> bool:
            if fast is not None and type(blocks) is list else None)
     if got is None:
         stale = [b.block_id for b in blocks if b.block_hash is None and not b.is_null]
+        if stale:  # (a key filed for the block aside from its own is a key: vLLM evicts those too)
+            extra = getattr(pool, "cached_block_hashes_by_block", None) or ()
+            stale = [b for b in stale if not extra or b not in extra]
         if stale:
             _stale_hits(pool, rid, stale)
         audit.on_hits(rid, ident, weights,
