@@ -1,0 +1,149 @@
+"""Mutation campaign on the real engine: single-statement mutants of vLLM's
+worker-side block tables (and, with ``--allocator``, of the allocator-side
+methods :mod:`scripts.mutants` covers), each run on one in-process tiny
+engine with kvsan on (``KVSAN=1``, device checks included) through the
+seeded shared-prefix traffic of :mod:`kvsan.traffic` (cancellations,
+eviction and preemption in a 24-block pool).  The tokens of every request
+that finished are compared with the same traffic on unchanged vLLM.
+
+Outcomes: ``detected`` (kvsan reported something), ``crash`` (vLLM raised:
+the fault shows itself; the engine is booted again), ``WRONG`` (kvsan silent
+while some request's tokens differ: wrong bytes served with success), and
+``same`` (kvsan silent, the tokens as without the mutant).
+
+    .venv/bin/python scripts/mutants_engine.py [Class.method] [--allocator] [--hooked] [--each]
+
+``--hooked``: only the methods kvsan hooks.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import signal
+import sys
+
+os.environ.setdefault("KVSAN", "1")
+os.environ.setdefault("KVSAN_LOG", "0")
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # one process: the mutants reach every side
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import mutants  # noqa: E402  (the mutation sites and builder)
+from vllm.v1.worker import block_table as bt_mod  # noqa: E402
+
+WORKER_CLASSES = [(bt_mod, "BlockTable"), (bt_mod, "MultiGroupBlockTable")]
+
+
+def boot():
+    from vllm import LLM
+
+    from kvsan import traffic
+    from kvsan.tinymodel import ensure_tiny_model
+
+    llm = LLM(**traffic.engine_kwargs(ensure_tiny_model()))
+    traffic.run(llm, seed=1, groups=2, per_group=2)  # warm-up
+    return llm
+
+
+def run(llm):
+    """The traffic once, on a fresh prefix cache: outputs and kvsan's kinds."""
+    from kvsan import current_runtime, traffic
+
+    rt = current_runtime()
+    llm.reset_prefix_cache()
+    rt.clear()
+    res = traffic.run(llm, seed=0, groups=6, per_group=5)
+    kinds = collections.Counter(v.kind for v in rt.violations())
+    return res, dict(kinds)
+
+
+def hooked(cls, name):
+    """kvsan's targets on ``cls.name`` (unhooked while the method is swapped)."""
+    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
+
+    qual = f"{cls.__name__}.{name}"
+    return [t for mod in (vllm_allocator, vllm_identity, vllm_worker) for t in mod.targets()
+            if t.qualname == qual]
+
+
+def swap(cls, name, new):
+    from kvsan import hooks
+
+    ts = hooked(cls, name)
+    hooks.uninstrument(ts)
+    setattr(cls, name, new)
+    hooks.instrument(ts)
+
+
+def methods(hooked_only: bool) -> list:
+    """:func:`mutants.methods`, read with kvsan's hooks taken off (a hooked
+    method's class attribute is kvsan's hook, not vLLM's function);
+    ``hooked_only``: only the methods kvsan hooks."""
+    from kvsan import hooks
+    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
+
+    every = [t for mod in (vllm_allocator, vllm_identity, vllm_worker) for t in mod.targets()]
+    hooks.uninstrument(every)
+    try:
+        got = list(mutants.methods())
+    finally:
+        hooks.instrument(every)
+    return [m for m in got if not hooked_only or hooked(m[0], m[1])]
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    only = args[0] if args else None
+    classes = WORKER_CLASSES + (mutants.CLASSES if "--allocator" in sys.argv else [])
+    mutants.CLASSES[:] = classes
+    signal.signal(signal.SIGALRM, mutants.timeout)
+    llm = boot()
+    ref, kinds = run(llm)
+    again, kinds2 = run(llm)
+    assert not kinds and not kinds2 and ref.outputs == again.outputs, (kinds, kinds2)
+    print(f"unchanged vLLM: {ref.finished} finished, {ref.aborted} aborted, "
+          f"{ref.cached_tokens} cached tokens, no violation, the same tokens twice", flush=True)
+    rows = []
+    for cls, name, obj, fn, src in methods("--hooked" in sys.argv):
+        if only and only not in f"{cls.__name__}.{name}":
+            continue
+        n = len(list(mutants.sites(mutants.ast.parse(src).body[0])))
+        for i in range(n):
+            try:
+                new, where = mutants.build(cls, obj, fn, src, i)
+            except Exception as e:  # noqa: BLE001 - a mutant that does not compile
+                print("not built:", cls.__name__, name, i, repr(e)[:100], flush=True)
+                continue
+            swap(cls, name, new)
+            err, kinds, wrong = None, {}, []
+            signal.alarm(60)
+            try:
+                res, kinds = run(llm)
+                wrong = [r for r, toks in res.outputs.items()
+                         if r in ref.outputs and toks != ref.outputs[r]]
+            except Exception as e:  # noqa: BLE001 - the mutant's own failure
+                err = f"{type(e).__name__}: {str(e)[:100]}"
+            finally:
+                signal.alarm(0)
+                swap(cls, name, obj)
+            if err is not None:
+                from kvsan import current_runtime
+
+                kinds = dict(collections.Counter(v.kind for v in current_runtime().violations()))
+                del llm
+                gc.collect()
+                llm = boot()  # the engine may be left broken
+            outcome = ("detected" if kinds else "crash" if err else
+                       "WRONG" if wrong else "same")
+            r = dict(m=f"{cls.__name__}.{name}", where=where, outcome=outcome, kinds=kinds,
+                     err=err, wrong=len(wrong))
+            rows.append(r)
+            if "--each" in sys.argv or outcome == "WRONG":
+                print("MUT", json.dumps(r), flush=True)
+    print(f"{len(rows)} mutants:", dict(collections.Counter(r["outcome"] for r in rows)))
+
+
+if __name__ == "__main__":
+    main()
