@@ -11,9 +11,10 @@ the fault shows itself; the engine is booted again), ``WRONG`` (kvsan silent
 while some request's tokens differ: wrong bytes served with success), and
 ``same`` (kvsan silent, the tokens as without the mutant).
 
-    .venv/bin/python scripts/mutants_engine.py [Class.method] [--allocator] [--hooked] [--each]
+    .venv/bin/python scripts/mutants_engine.py [Class.method] [--allocator] [--runner] [--hooked] [--each]
 
-``--hooked``: only the methods kvsan hooks.
+``--runner``: also the model runner's ``_update_states`` and the input
+batch's row bookkeeping; ``--hooked``: only the methods kvsan hooks.
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ import mutants  # noqa: E402  (the mutation sites and builder)
 from vllm.v1.worker import block_table as bt_mod  # noqa: E402
 
 WORKER_CLASSES = [(bt_mod, "BlockTable"), (bt_mod, "MultiGroupBlockTable")]
+#: with ``--runner``: the model runner's per-step state update (which fills
+#: the block tables from the scheduler's output) and the input batch's
+#: bookkeeping of request rows
+RUNNER_METHODS = {"_update_states", "add_request", "remove_request", "swap_states", "condense"}
 
 
 def boot():
@@ -97,6 +102,12 @@ def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     only = args[0] if args else None
     classes = WORKER_CLASSES + (mutants.CLASSES if "--allocator" in sys.argv else [])
+    if "--runner" in sys.argv:
+        from vllm.v1.worker import gpu_input_batch, gpu_model_runner
+
+        classes += [(gpu_model_runner, "GPUModelRunner"), (gpu_input_batch, "InputBatch")]
+        mutants.SCHED_METHODS |= RUNNER_METHODS
+        mutants.FILTERED.update({"GPUModelRunner", "InputBatch"})
     mutants.CLASSES[:] = classes
     signal.signal(signal.SIGALRM, mutants.timeout)
     llm = boot()
