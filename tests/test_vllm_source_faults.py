@@ -39,14 +39,14 @@ def mutated(cls, name: str, old: str, new: str):
     hooked = [t for t in vllm_allocator.targets() if t.qualname == f"{cls.__name__}.{name}"]
     hooks.uninstrument(hooked)
     fn = vars(cls)[name]
-    src = textwrap.dedent(inspect.getsource(fn))
-    assert src.count(old) == 1, f"{cls.__name__}.{name} no longer has {old!r}"
-    tree = ast.parse(src.replace(old, new))
-    ns = dict(fn.__globals__)
-    exec(compile(tree, inspect.getsourcefile(fn), "exec"), ns)
-    setattr(cls, name, ns[name])
-    hooks.instrument(hooked)
     try:
+        src = textwrap.dedent(inspect.getsource(fn))
+        assert src.count(old) == 1, f"{cls.__name__}.{name} no longer has {old!r}"
+        tree = ast.parse(src.replace(old, new))
+        ns = dict(fn.__globals__)
+        exec(compile(tree, inspect.getsourcefile(fn), "exec"), ns)
+        setattr(cls, name, ns[name])
+        hooks.instrument(hooked)
         yield
     finally:
         hooks.uninstrument(hooked)

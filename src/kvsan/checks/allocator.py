@@ -342,11 +342,11 @@ class AllocatorChecker:
         """``consumer`` was served ``blocks`` as prefix hits, but none of
         them carries a cache key (the adapter checks the engine's keys).
         The engine's cache map hands out only blocks registered under a
-        key, and an eviction drops the key and the map entry together; a block without a key behind a hit is a map
-        entry left behind when the block's key was dropped (evicted, or
-        handed out fresh without an eviction), so the hit reads whatever
-        the block holds now.  The owners at stake: ``consumer`` and whoever
-        holds the block now."""
+        key, and an eviction drops the key and the map entry together; a
+        block without a key behind a hit is a map entry left behind when
+        the block's key was dropped (evicted, or handed out fresh without
+        an eviction), so the hit reads whatever the block holds now.  The
+        owners at stake: ``consumer`` and whoever holds the block now."""
         sh = self.shadow
         for b in blocks:
             holders = [o for o in sh.owners(b) if o != consumer]

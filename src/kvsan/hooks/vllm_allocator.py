@@ -702,8 +702,9 @@ def _may_delay_free(sched) -> bool:
     ``_connector_finished`` never delays one: a request it keeps tracked
     with blocks is leaking them now, not after the grace period.  Anything
     else (another version, a replaced method) may delay."""
-    if getattr(sched, "connector", True) is not None or getattr(sched, "ec_connector", True) is not None:
-        return True
+    for connector in ("connector", "ec_connector"):  # (not there: another version)
+        if getattr(sched, connector, True) is not None:
+            return True
     if "_connector_finished" in getattr(sched, "__dict__", ()):
         return True
     own = getattr(type(sched), "_connector_finished", None)
@@ -825,7 +826,7 @@ def _dropped(sched, request_ids) -> list:
     if not left:
         return []
     queued = {id(r) for r in getattr(sched, "running", ())}
-    for name in ("waiting", "skipped_waiting", "kv_holding_waiting"):
+    for name in ("waiting", "kv_holding_waiting", "deferred_waiting"):
         queued.update(id(r) for r in getattr(sched, name, ()) or ())
     return [r for r in left if id(r) not in queued]
 
