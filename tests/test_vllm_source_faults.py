@@ -114,11 +114,18 @@ def test_cache_entry_left_on_a_reused_block_is_a_stale_hit(rt):
     assert set(kinds_of(rt)) == {"stale_cache_hit"}
 
 
-def test_free_queue_count_that_drifts_from_its_list(rt):
-    """vLLM's free queue appends blocks without counting them: the
-    scheduler now sees fewer free blocks than the queue holds (they are
-    stranded: nobody holds them, nobody can allocate them).  The audit
-    compares the count with the blocks linked in the queue."""
+@pytest.mark.parametrize("method, old, new", [
+    ("append_n", "self.num_free_blocks += len(blocks)", "pass"),
+    ("prepend_n", "self.num_free_blocks += len(blocks)", "pass"),
+    ("popleft", "self.num_free_blocks -= 1", "self.num_free_blocks -= 2"),
+], ids=["append_n", "prepend_n", "popleft"])
+def test_free_queue_count_that_drifts_from_its_list(rt, method, old, new):
+    """vLLM's free queue puts blocks back without counting them (cached
+    ones at its tail, uncached ones at its head), or counts one block
+    taken (the null block, at the pool's start) twice: the scheduler then
+    sees fewer free blocks than the queue holds (they are stranded: nobody
+    holds them, nobody can allocate them).  The audit compares the count
+    with the blocks linked in the queue."""
     from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue
     from vllm.v1.request import RequestStatus
 
@@ -137,7 +144,7 @@ def test_free_queue_count_that_drifts_from_its_list(rt):
 
     sched = run()
     assert audit_scheduler(rt, sched) == 0 and kinds_of(rt) == []
-    with mutated(FreeKVCacheBlockQueue, "append_n", "self.num_free_blocks += len(blocks)", "pass"):
+    with mutated(FreeKVCacheBlockQueue, method, old, new):
         sched = run()
     queue = sched.kv_cache_manager.block_pool.free_block_queue
     assert queue.num_free_blocks < len(queue.get_all_free_blocks())  # the fault happened
