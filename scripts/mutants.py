@@ -146,10 +146,7 @@ def build(cls, obj, fn, src, idx):
     """The method with its ``idx``-th mutation, and where it is."""
     tree = ast.parse(src)
     fdef = tree.body[0]
-    allsites = list(sites(fdef))
-    if idx >= len(allsites):
-        return None, None
-    kind, node = allsites[idx]
+    kind, node = list(sites(fdef))[idx]
     line = node.lineno + fn.__code__.co_firstlineno - 1
     Apply(node, kind).visit(tree)
     if fdef.args.args:

@@ -20,6 +20,7 @@ batch's row bookkeeping; ``--hooked``: only the methods kvsan hooks.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import json
 import os
@@ -64,13 +65,18 @@ def run(llm):
     return res, dict(kinds)
 
 
-def hooked(cls, name):
-    """kvsan's targets on ``cls.name`` (unhooked while the method is swapped)."""
+@functools.cache
+def kvsan_targets() -> tuple:
+    """Every method kvsan hooks in an in-process engine."""
     from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
 
+    return tuple(t for mod in (vllm_allocator, vllm_identity, vllm_worker) for t in mod.targets())
+
+
+def hooked(cls, name) -> list:
+    """kvsan's targets on ``cls.name`` (unhooked while the method is swapped)."""
     qual = f"{cls.__name__}.{name}"
-    return [t for mod in (vllm_allocator, vllm_identity, vllm_worker) for t in mod.targets()
-            if t.qualname == qual]
+    return [t for t in kvsan_targets() if t.qualname == qual]
 
 
 def swap(cls, name, new):
@@ -87,9 +93,8 @@ def methods(hooked_only: bool) -> list:
     method's class attribute is kvsan's hook, not vLLM's function);
     ``hooked_only``: only the methods kvsan hooks."""
     from kvsan import hooks
-    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
 
-    every = [t for mod in (vllm_allocator, vllm_identity, vllm_worker) for t in mod.targets()]
+    every = list(kvsan_targets())
     hooks.uninstrument(every)
     try:
         got = list(mutants.methods())

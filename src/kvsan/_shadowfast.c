@@ -2683,20 +2683,15 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         if (r < 0) {
             goto fail;
         }
-        if (r > 0) { /* not a plain id: let Python look */
-            Py_DECREF(blk);
-            Py_XDECREF(mism);
-            Py_RETURN_NONE;
+        if (r > 0) {
+            goto python; /* not a plain id */
         }
         key = get_field(blk, A_BLOCK_HASH);
         if (key == NULL) {
             goto fail;
         }
-        if (key == Py_None) { /* served without a cache key: Python reports it */
-            Py_DECREF(key);
-            Py_DECREF(blk);
-            Py_XDECREF(mism);
-            Py_RETURN_NONE;
+        if (key == Py_None) {
+            goto python; /* served without a cache key: Python reports it */
         }
         PyObject *known = b >= 0 && b < n ? PyList_GET_ITEM(lists[R_KEY], b) : Py_None;
         if (known == Py_None) {
@@ -2719,11 +2714,8 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             }
             ok = same_inputs(PyList_GET_ITEM(lists[R_CHAIN], b), k, ident, i);
         }
-        if (ok == -2) { /* a chain shorter than its index: let Python look */
-            Py_DECREF(key);
-            Py_DECREF(blk);
-            Py_XDECREF(mism);
-            Py_RETURN_NONE;
+        if (ok == -2) {
+            goto python; /* a chain shorter than its index */
         }
         if (ok < 0) {
             goto fail;
@@ -2748,6 +2740,11 @@ identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         Py_DECREF(key);
         Py_DECREF(blk);
         continue;
+    python: /* let the Python check look */
+        Py_XDECREF(key);
+        Py_DECREF(blk);
+        Py_XDECREF(mism);
+        Py_RETURN_NONE;
     fail:
         Py_XDECREF(key);
         Py_DECREF(blk);

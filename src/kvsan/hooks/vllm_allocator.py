@@ -677,10 +677,11 @@ def _request_ended(sched, request) -> None:
     try:
         rid = request.request_id
         status = _STATUS_TEXT.get(getattr(request, "status", None)) or _status(request)
-        if rid in sched.requests and _may_delay_free(sched):
-            ck.on_request_pending_release(rid, status)
-        elif rid in sched.requests:  # kept, though nothing can delay its free
-            ck.on_request_released(rid, status, call_site(1))
+        if rid in sched.requests:  # kept: a delayed free, if anything can delay it
+            if _may_delay_free(sched):
+                ck.on_request_pending_release(rid, status)
+            else:
+                ck.on_request_released(rid, status, call_site(1))
         else:  # the call site is read only for a request with something to report
             site = call_site(1) if ck.shadow.held.get(rid) else "?"
             ck.on_request_released(rid, status, site)
