@@ -139,6 +139,93 @@ def test_multimodal_identifiers_left_out(rt, kcu, monkeypatch):
     assert fields_of(rt) == {("multimodal",)}
 
 
+def _image_at(ident, offset):
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
+                                  mm_position=PlaceholderRange(offset=offset, length=8))]
+
+
+def test_multimodal_position_left_out(rt, kcu, monkeypatch):
+    """The same image at another place in the same placeholder tokens: a key
+    with the identifier but not the offset (what vLLM's key had before it
+    added the offset) shares a block whose KV differs."""
+    original = kcu._gen_mm_extra_hash_keys
+
+    def no_offset(request, start, end, mm_idx):
+        keys, nxt = original(request, start, end, mm_idx)
+        return [k[:2] for k in keys], nxt
+
+    monkeypatch.setattr(kcu, "_gen_mm_extra_hash_keys", no_offset)
+    m, hit = producer_then_consumer(request("A", mm_features=_image_at("img-cat", 4)),
+                                    request("B", mm_features=_image_at("img-cat", 6)))
+    assert hit == 3 * BLOCK
+    bad = mismatches(rt)
+    assert fields_of(rt) == {("multimodal",)}
+    assert bad[0].blocks == [m.get_block_ids("A")[0][0]]
+    assert bad[0].owners == ["A", "B"] and bad[0].actor == "B"
+
+
+def test_lora_path_left_out(rt, kcu, monkeypatch):
+    """An adapter name re-pointed at other weights (same name and id, a new
+    path): a key of the name alone hands the new adapter the old one's KV."""
+    monkeypatch.setattr(kcu, "_gen_lora_extra_hash_keys",
+                        lambda r: [("lora", r.lora_request.lora_name)] if r.lora_request else [])
+    m, hit = producer_then_consumer(request("A", lora_request=lora("sql", 1, "/a/v1")),
+                                    request("B", lora_request=lora("sql", 1, "/a/v2")))
+    assert hit == 3 * BLOCK
+    bad = mismatches(rt)
+    assert len(bad) == 3 and fields_of(rt) == {("lora",)}
+    assert bad[0].blocks == [m.get_block_ids("A")[0][0]] and bad[0].owners == ["A", "B"]
+
+
+def test_prompt_embeds_left_out(rt, kcu, monkeypatch):
+    """Two prompts given as different embeddings hold the same placeholder
+    token ids: without the embeddings' digest in the key they share KV."""
+    import torch
+
+    monkeypatch.setattr(kcu, "_gen_prompt_embeds_extra_hash_keys", lambda r, s, e: [])
+
+    def embedded(rid, seed):
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        from vllm_objects import _hasher
+
+        embeds = torch.randn(len(TOKENS), 8, generator=torch.Generator().manual_seed(seed))
+        return Request(request_id=rid, prompt_token_ids=None, prompt_embeds=embeds,
+                       sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                       block_hasher=_hasher)
+
+    m, hit = producer_then_consumer(embedded("A", 0), embedded("B", 1))
+    assert hit == 3 * BLOCK
+    bad = mismatches(rt)
+    assert len(bad) == 3 and fields_of(rt) == {("prompt_embeds",)}
+    assert bad[0].blocks == [m.get_block_ids("A")[0][0]] and bad[0].actor == "B"
+
+
+def test_prompt_embeds_with_correct_keys_are_silent(rt):
+    """The same embeddings share their prefix for real; other embeddings do
+    not share at all (the unchanged key): nothing to report either way."""
+    import torch
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_objects import _hasher
+
+    def embedded(rid, seed):
+        embeds = torch.randn(len(TOKENS), 8, generator=torch.Generator().manual_seed(seed))
+        return Request(request_id=rid, prompt_token_ids=None, prompt_embeds=embeds,
+                       sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                       block_hasher=_hasher)
+
+    m = make_manager(32)
+    hits = [serve(m, embedded(rid, seed)) for rid, seed in (("A", 0), ("B", 0), ("C", 1))]
+    assert hits == [0, 3 * BLOCK, 0]
+    assert kinds_of(rt) == []
+
+
 def test_weights_updated_without_prefix_reset(rt):
     from kvsan.hooks import vllm_identity
 
