@@ -309,6 +309,80 @@ def test_hit_before_write_is_uninitialized_hit(eng, rt):
     drain(eng)
 
 
+def test_a_row_filled_with_other_tokens_is_input_token_mismatch(eng, rt, monkeypatch):
+    """The input batch's row for a new request holds other tokens than the
+    request's prompt (as when ``InputBatch.add_request`` does not copy the
+    prompt: the mutation campaign's fault): the model computes the KV of the
+    wrong tokens into blocks the scheduler caches under the right key.
+    Each block sealed that way is reported, with its request."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    original = InputBatch.add_request
+
+    def shifted(self, request, *args, **kwargs):
+        ret = original(self, request, *args, **kwargs)
+        row, n = self.req_id_to_index[request.req_id], len(request.prompt_token_ids)
+        self.token_ids_cpu[row, :n] = self.token_ids_cpu[row, :n] % 499 + 1
+        return ret
+
+    monkeypatch.setattr(InputBatch, "add_request", shifted)
+    add(eng, "A", PREFIX + [3] * 5, max_tokens=8)
+    step(eng, 2)  # the prompt in two chunks fills blocks 0 and 1
+    full, a_blocks = block_ids(eng, "A")
+    step(eng)  # (a step's blocks are sealed when the next begins)
+    monkeypatch.setattr(InputBatch, "add_request", original)
+    bad = of(rt, "input_token_mismatch")
+    assert [(v.blocks, v.owners, v.actor) for v in bad] == [
+        ([a_blocks[0]], [full], full), ([a_blocks[1]], [full], full)]
+    assert [v.details[0]["first_position"] for v in bad] == [0, BS]
+    assert bad[0].details[0]["offsets"] == list(range(BS))
+    assert f"{BS} of its positions, the first at 0" in bad[0].message
+    drain(eng)
+
+
+def test_a_row_condensed_without_its_tokens_is_input_token_mismatch(eng, rt, monkeypatch):
+    """``InputBatch.condense`` moves a request to a row a finished one left
+    but not its token ids: the request's next tokens are gathered from the
+    old row's.  Its block sealed before the move is clean; the one it fills
+    after is reported."""
+    from vllm.v1.worker.gpu_input_batch import InputBatch
+
+    original = InputBatch.condense
+
+    def tokens_left_behind(self, *args, **kwargs):
+        rows, saved = dict(self.req_id_to_index), self.token_ids_cpu.copy()
+        ret = original(self, *args, **kwargs)
+        for rid, row in self.req_id_to_index.items():
+            if rows.get(rid, row) != row:
+                self.token_ids_cpu[row] = saved[row]
+        return ret
+
+    monkeypatch.setattr(InputBatch, "condense", tokens_left_behind)
+    add(eng, "A", [(3 * i) % 450 + 2 for i in range(10)], max_tokens=1)  # row 0, done first
+    add(eng, "B", [(5 * i) % 450 + 1 for i in range(2 * BS - 3)], max_tokens=8)  # row 1
+    step(eng)  # A's prompt and B's first 38 tokens; A finishes
+    full, b_blocks = block_ids(eng, "B")
+    step(eng, 5)  # A leaves, B moves to row 0, finishes its prompt, fills block 1
+    monkeypatch.setattr(InputBatch, "condense", original)
+    bad = of(rt, "input_token_mismatch")
+    assert [(v.blocks, v.owners, v.actor) for v in bad] == [([b_blocks[1]], [full], full)]
+    drain(eng)
+
+
+def test_clean_traffic_has_every_sealed_block_checked_for_its_inputs(eng, rt, monkeypatch):
+    """The check runs on this engine (V1 runner, no async scheduling) for
+    every block sealed, and finds nothing in clean traffic."""
+    from kvsan import traffic
+
+    dc = device()
+    assert dc.on_sealed is not None
+    seen = []
+    check = dc.on_sealed
+    monkeypatch.setattr(dc, "on_sealed", lambda d, sealed: (seen.extend(sealed), check(d, sealed)))
+    traffic.run(eng, seed=5, groups=3, per_group=3)
+    assert len(seen) >= 6 and [v.kind for v in rt.violations()] == []
+
+
 def _scenario(name):
     """Faults that corrupt the allocator's counts leave the engine unusable,
     so each runs in its own in-process engine, in a child process."""

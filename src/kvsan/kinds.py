@@ -39,15 +39,22 @@ ALLOCATOR_KINDS = (
 OVERWRITE_SHARED_BLOCK = "overwrite_shared_block"
 CHECKSUM_MISMATCH = "checksum_mismatch"
 UNINITIALIZED_HIT = "uninitialized_hit"
+#: a block sealed into the prefix cache whose KV the worker computed from
+#: input tokens other than its request's (the tokens its cache key names):
+#: the memory is handled correctly, the bytes are wrong, and every later
+#: hit on the key reads them
+INPUT_TOKEN_MISMATCH = "input_token_mismatch"
 
 DEVICE_KINDS = (
     OVERWRITE_SHARED_BLOCK,
     CHECKSUM_MISMATCH,
     UNINITIALIZED_HIT,
+    INPUT_TOKEN_MISMATCH,
     REUSE_WITH_LIVE_OWNERS,
 )
 
-ALL_KINDS = ALLOCATOR_KINDS + (OVERWRITE_SHARED_BLOCK, CHECKSUM_MISMATCH, UNINITIALIZED_HIT)
+ALL_KINDS = ALLOCATOR_KINDS + (OVERWRITE_SHARED_BLOCK, CHECKSUM_MISMATCH, UNINITIALIZED_HIT,
+                               INPUT_TOKEN_MISMATCH)
 
 # identity audit (EngineCore)
 CACHE_KEY_MISMATCH = "cache_key_mismatch"
@@ -68,4 +75,5 @@ CLASS_OF = {
     OVERWRITE_SHARED_BLOCK: CORRUPTION,
     CHECKSUM_MISMATCH: CORRUPTION,
     UNINITIALIZED_HIT: CORRUPTION,
+    INPUT_TOKEN_MISMATCH: CORRUPTION,
 }

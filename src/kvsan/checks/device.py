@@ -166,6 +166,10 @@ class DeviceChecker:
         self._cuda = self.device.type == "cuda"
         self._host_cache = self.device.type == "cpu"
         self.null = frozenset(null_blocks)
+        #: ``on_sealed(checker, [(block, producer request id)])`` after each
+        #: sealing: checks of a freshly sealed block that read the engine's
+        #: own state (the worker adapter's input-token check), or None
+        self.on_sealed: Callable | None = None
         # worker view
         self.req_blocks: dict[str, list[int]] = {}
         self.holders: dict[int, set[str]] = {}
@@ -657,10 +661,11 @@ class DeviceChecker:
         if not pending:
             return
         waiting = list(pending)
-        bs, blocks = self.block_size, []
+        bs, blocks, made = self.block_size, [], []
         for b, n, producer in zip(waiting, self._read(1, waiting), self._read(0, waiting)):
             if n >= bs:
                 blocks.append(b)
+                made.append(producer)
                 del pending[b]
             elif producer == _NONE:  # its producer left unfinished: nobody writes it now
                 del pending[b]
@@ -685,6 +690,26 @@ class DeviceChecker:
                     sweep.append(b)
         self._put(2, blocks, True)
         self.counters["sealed"] += len(blocks)
+        if self.on_sealed is not None:
+            rids = self._int_rid
+            self.on_sealed(self, [(b, rids[p]) for b, p in zip(blocks, made)
+                                  if 0 <= p < len(rids) and rids[p] is not None])
+
+    def input_tokens_differ(self, block: int, rid: str, first: int, offsets: list[int],
+                            fed: str, meant: str) -> None:
+        """Block ``block``, just sealed, holds the KV of request ``rid``'s
+        tokens ``first`` on, but the worker fed the model other tokens at
+        ``offsets`` (within the block) than the request's: ``fed`` and
+        ``meant`` are digests of the two, never the tokens."""
+        owners = self.holders.get(block) or {rid}
+        self._report(
+            kinds.INPUT_TOKEN_MISMATCH,
+            f"block {block} sealed with KV computed from other input tokens than "
+            f"{rid}'s at {len(offsets)} of its positions, the first at {first + offsets[0]} "
+            f"(fed {fed}, the request's {meant}): every hit on its cache key reads wrong KV",
+            [block], owners, rid,
+            details=[{"block": block, "request": rid, "first_position": first,
+                      "offsets": offsets, "fed_digest": fed, "request_digest": meant}])
 
     def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int] | dict,
                why: str = "") -> None:

@@ -31,7 +31,7 @@ from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks import native
 from ..checks.device import DeviceChecker
-from . import Target, guard_failed
+from . import Target, guard_failed, vllm_inputs
 from .vllm_allocator import _guard
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
@@ -162,6 +162,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
             defer_guard=None if rt.config.mode == "log" else False,
             defer_sums=None if rt.config.mode == "log" else False,
         )
+        vllm_inputs.install(dc, runner, _has_connector())
         _checkers[runner] = dc
     return dc
 
