@@ -179,24 +179,25 @@ def test_lora_path_left_out(rt, kcu, monkeypatch):
     assert bad[0].blocks == [m.get_block_ids("A")[0][0]] and bad[0].owners == ["A", "B"]
 
 
+def embedded(rid, seed):
+    """A request whose prompt is given as embeddings (seeded), as long as
+    TOKENS: vLLM holds placeholder token ids for it."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request
+
+    from vllm_objects import _hasher
+
+    embeds = torch.randn(len(TOKENS), 8, generator=torch.Generator().manual_seed(seed))
+    return Request(request_id=rid, prompt_token_ids=None, prompt_embeds=embeds,
+                   sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
+                   block_hasher=_hasher)
+
+
 def test_prompt_embeds_left_out(rt, kcu, monkeypatch):
     """Two prompts given as different embeddings hold the same placeholder
     token ids: without the embeddings' digest in the key they share KV."""
-    import torch
-
     monkeypatch.setattr(kcu, "_gen_prompt_embeds_extra_hash_keys", lambda r, s, e: [])
-
-    def embedded(rid, seed):
-        from vllm.sampling_params import SamplingParams
-        from vllm.v1.request import Request
-
-        from vllm_objects import _hasher
-
-        embeds = torch.randn(len(TOKENS), 8, generator=torch.Generator().manual_seed(seed))
-        return Request(request_id=rid, prompt_token_ids=None, prompt_embeds=embeds,
-                       sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-                       block_hasher=_hasher)
-
     m, hit = producer_then_consumer(embedded("A", 0), embedded("B", 1))
     assert hit == 3 * BLOCK
     bad = mismatches(rt)
@@ -207,19 +208,6 @@ def test_prompt_embeds_left_out(rt, kcu, monkeypatch):
 def test_prompt_embeds_with_correct_keys_are_silent(rt):
     """The same embeddings share their prefix for real; other embeddings do
     not share at all (the unchanged key): nothing to report either way."""
-    import torch
-
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    from vllm_objects import _hasher
-
-    def embedded(rid, seed):
-        embeds = torch.randn(len(TOKENS), 8, generator=torch.Generator().manual_seed(seed))
-        return Request(request_id=rid, prompt_token_ids=None, prompt_embeds=embeds,
-                       sampling_params=SamplingParams(max_tokens=4), pooling_params=None,
-                       block_hasher=_hasher)
-
     m = make_manager(32)
     hits = [serve(m, embedded(rid, seed)) for rid, seed in (("A", 0), ("B", 0), ("C", 1))]
     assert hits == [0, 3 * BLOCK, 0]
