@@ -369,9 +369,11 @@ def test_a_row_condensed_without_its_tokens_is_input_token_mismatch(eng, rt, mon
     drain(eng)
 
 
-def test_clean_traffic_has_every_sealed_block_checked_for_its_inputs(eng, rt, monkeypatch):
-    """The check runs on this engine (V1 runner, no async scheduling) for
-    every block sealed, and finds nothing in clean traffic."""
+def test_clean_traffic_has_its_sealed_blocks_checked_for_their_inputs(eng, rt, monkeypatch):
+    """The check runs on this engine (V1 runner, no async scheduling) on
+    the blocks sealed with their producer still in the worker view, and
+    finds nothing in clean traffic (shared prefixes, cancellations,
+    eviction and preemption)."""
     from kvsan import traffic
 
     dc = device()
