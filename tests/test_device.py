@@ -385,6 +385,21 @@ def test_clean_traffic_has_its_sealed_blocks_checked_for_their_inputs(eng, rt, m
     assert len(seen) >= 6 and [v.kind for v in rt.violations()] == []
 
 
+def test_a_blocks_request_tokens_span_prompt_and_output():
+    """Where a block's positions cross from the prompt into the output the
+    request's tokens are read from both; a block the request has not
+    produced every token of yet has none to compare (None)."""
+    from kvsan.hooks.vllm_inputs import request_tokens, token_digest
+
+    prompt, output = [1, 2, 3, 4, 5], [6, 7, 8]
+    assert request_tokens(prompt, output, 0, 4) == [1, 2, 3, 4]
+    assert request_tokens(prompt, output, 4, 4) == [5, 6, 7, 8]
+    assert request_tokens(prompt, output, 8, 4) is None
+    assert request_tokens(prompt, [6], 4, 4) is None
+    assert request_tokens([1, 2], [3, 4, 5, 6], 4, 2) == [5, 6]
+    assert token_digest([1, 2]) != token_digest([2, 1]) and len(token_digest([1])) == 16
+
+
 def _scenario(name):
     """Faults that corrupt the allocator's counts leave the engine unusable,
     so each runs in its own in-process engine, in a child process."""
