@@ -34,6 +34,8 @@ from .common import ENV, native_hooks, table
 #: in Python: the hooks' Python routes and what they share
 WORKER_FUNCTIONS = ("_begin", "_step_ends", "_seal_left", "_guard_step", "_native_guard",
                     "_native_step_ends", "_native_scrub", "_hand_to_native", "_layers")
+#: the input-token check of sealed blocks (``kvsan.hooks.vllm_inputs``)
+INPUT_FUNCTIONS = ("_check_sealed",)
 #: the device checker's methods (``kvsan.checks.device.DeviceChecker``)
 CHECKER_METHODS = ("add_step", "drop_requests", "verify_step", "verify", "_sums_now", "checksums",
                    "seal", "will_seal", "guard")
@@ -61,11 +63,12 @@ class Probe:
 
     def __init__(self):
         from kvsan.checks.device import DeviceChecker
-        from kvsan.hooks import vllm_worker
+        from kvsan.hooks import vllm_inputs, vllm_worker
 
         self.acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for name in WORKER_FUNCTIONS:
-            setattr(vllm_worker, name, _timed(self.acc, name, getattr(vllm_worker, name)))
+        for module, names in ((vllm_worker, WORKER_FUNCTIONS), (vllm_inputs, INPUT_FUNCTIONS)):
+            for name in names:
+                setattr(module, name, _timed(self.acc, name, getattr(module, name)))
         for name in CHECKER_METHODS:
             setattr(DeviceChecker, name,
                     _timed(self.acc, f"DeviceChecker.{name}", getattr(DeviceChecker, name)))
