@@ -142,13 +142,14 @@ def methods():
             yield cls, name, obj, fn, src
 
 
-def build(cls, obj, fn, src, idx):
-    """The method with its ``idx``-th mutation, and where it is."""
+def build(cls, obj, fn, src, idx, find=sites, apply=Apply):
+    """The method with its ``idx``-th mutation (of those ``find`` yields,
+    made by the transformer ``apply``), and where it is."""
     tree = ast.parse(src)
     fdef = tree.body[0]
-    kind, node = list(sites(fdef))[idx]
+    kind, node = list(find(fdef))[idx]
     line = node.lineno + fn.__code__.co_firstlineno - 1
-    Apply(node, kind).visit(tree)
+    apply(node, kind).visit(tree)
     if fdef.args.args:
         FixSuper(fdef.args.args[0].arg).visit(tree)
     ast.fix_missing_locations(tree)

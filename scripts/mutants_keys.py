@@ -104,21 +104,8 @@ class Apply(M.Apply):
         return ast.NodeTransformer.visit(self, node)
 
 
-def build(fn, idx):
-    src = textwrap.dedent(inspect.getsource(fn))
-    tree = ast.parse(src)
-    fdef = tree.body[0]
-    kind, node = list(sites(fdef))[idx]
-    line = node.lineno + fn.__code__.co_firstlineno - 1
-    Apply(node, kind).visit(tree)
-    ast.fix_missing_locations(tree)
-    ns = dict(fn.__globals__)
-    exec(compile(tree, inspect.getsourcefile(fn), "exec"), ns)
-    return ns[fdef.name], f"{kind}@{line}"
-
-
-def n_sites(fn):
-    return len(list(sites(ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0])))
+def source(fn):
+    return textwrap.dedent(inspect.getsource(fn))
 
 
 # ------------------------------------------------------------- the pairs
@@ -279,9 +266,10 @@ def main():
         if only and only != fname:
             continue
         orig = getattr(kcu, fname)
-        for i in range(n_sites(orig)):
+        src = source(orig)
+        for i in range(len(list(sites(ast.parse(src).body[0])))):
             try:
-                new, where = build(orig, i)
+                new, where = M.build(kcu, None, orig, src, i, sites, Apply)
             except Exception as e:  # noqa: BLE001
                 print("BUILD-FAIL", fname, i, repr(e)[:100], flush=True)
                 continue

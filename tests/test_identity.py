@@ -125,25 +125,18 @@ def test_cache_salt_left_out(rt, kcu, monkeypatch):
     assert fields_of(rt) == {("cache_salt",)}
 
 
-def test_multimodal_identifiers_left_out(rt, kcu, monkeypatch):
-    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
-
-    monkeypatch.setattr(kcu, "_gen_mm_extra_hash_keys", lambda r, s, e, i: ([], i))
-
-    def image(ident):
-        return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
-                                      mm_position=PlaceholderRange(offset=4, length=8))]
-
-    producer_then_consumer(request("A", mm_features=image("img-cat")),
-                           request("B", mm_features=image("img-dog")))
-    assert fields_of(rt) == {("multimodal",)}
-
-
 def _image_at(ident, offset):
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
     return [MultiModalFeatureSpec(data=None, modality="image", identifier=ident,
                                   mm_position=PlaceholderRange(offset=offset, length=8))]
+
+
+def test_multimodal_identifiers_left_out(rt, kcu, monkeypatch):
+    monkeypatch.setattr(kcu, "_gen_mm_extra_hash_keys", lambda r, s, e, i: ([], i))
+    producer_then_consumer(request("A", mm_features=_image_at("img-cat", 4)),
+                           request("B", mm_features=_image_at("img-dog", 4)))
+    assert fields_of(rt) == {("multimodal",)}
 
 
 def test_multimodal_position_left_out(rt, kcu, monkeypatch):
