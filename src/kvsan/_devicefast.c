@@ -27,7 +27,7 @@
 
 #include "_slots.h"
 
-#define KVSAN_DEVICEFAST_ABI 3
+#define KVSAN_DEVICEFAST_ABI 4
 
 /* ------------------------------------------------------------ guard */
 
@@ -270,14 +270,14 @@ done:
  * through the instance dict cost about 0.4 µs (caches cold), nine of them
  * a third of the guard's own time */
 enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
-       G_COUNTERS, G_RID_INT, G_GUARDED, G_DATA_PTR, G_N };
+       G_COUNTERS, G_RID_INT, G_FED, G_GUARDED, G_DATA_PTR, G_N };
 static const char *g_names[G_N] = {"pending_guard", "_may_defer", "step_hits", "_last_batch",
                                    "_slots_view", "_np", "block_size", "counters", "_rid_int",
-                                   "guarded_tokens", "data_ptr"};
+                                   "_fed", "guarded_tokens", "data_ptr"};
 static PyObject *g_str[G_N];
 
 /* new reference to obj.<name> (NULL with an exception) */
-#define G_NSLOTS (G_RID_INT + 1)
+#define G_NSLOTS (G_FED + 1)
 static SlotTable g_slots;
 
 /* new reference to checker.<g_names[i]> (NULL with an exception) */
@@ -317,6 +317,92 @@ held_buffers(PyObject *tables, PyObject *slots)
     return &held.gb;
 }
 
+/* The input-token record's buffers (DeviceChecker.record_inputs), held as
+ * the guard's are: the checker's ``_fed`` tuple (the engine's per-step
+ * input tokens, int32 or int64; the per-slot int32 table) they were taken
+ * from, kept alive with them. */
+static struct {
+    PyObject *fed;
+    Py_buffer src, dst;
+    int have; /* how many of the two were taken, in that order */
+} held_fed = {NULL, .have = 0};
+
+static void
+fed_release(void)
+{
+    if (held_fed.have > 1) {
+        PyBuffer_Release(&held_fed.dst);
+    }
+    if (held_fed.have > 0) {
+        PyBuffer_Release(&held_fed.src);
+    }
+    held_fed.have = 0;
+    Py_CLEAR(held_fed.fed);
+}
+
+/* 0 with held_fed holding ``fed``'s buffers; -1 with an exception */
+static int
+held_fed_buffers(PyObject *fed)
+{
+    if (held_fed.fed == fed && held_fed.have == 2) {
+        return 0;
+    }
+    fed_release();
+    if (!PyTuple_Check(fed) || PyTuple_GET_SIZE(fed) != 2) {
+        PyErr_SetString(PyExc_ValueError, "_fed: a (source, table) tuple is needed");
+        return -1;
+    }
+    if (get_1d(PyTuple_GET_ITEM(fed, 0), &held_fed.src, 0, 0, "fed source") < 0) {
+        return -1;
+    }
+    held_fed.have = 1;
+    if (!int_items(&held_fed.src)) {
+        PyErr_SetString(PyExc_ValueError, "fed source: int64 or int32 items are needed");
+        fed_release();
+        return -1;
+    }
+    if (get_1d(PyTuple_GET_ITEM(fed, 1), &held_fed.dst, 1, 4, "fed table") < 0) {
+        fed_release();
+        return -1;
+    }
+    held_fed.have = 2;
+    held_fed.fed = Py_NewRef(fed);
+    return 0;
+}
+
+/* table[slots[i]] = source[i] for the step's ``total`` tokens (padding
+ * slots, < 0, and any past the table skipped), as
+ * DeviceChecker._record_fed does */
+static void
+fed_scatter(const Py_buffer *sb, Py_ssize_t total, const Py_buffer *src, Py_buffer *dst)
+{
+    int32_t *table = (int32_t *)dst->buf;
+    Py_ssize_t nt = dst->shape[0], n = total < src->shape[0] ? total : src->shape[0];
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const char *at = (const char *)sb->buf + i * sb->strides[0];
+        const char *from = (const char *)src->buf + i * src->strides[0];
+        int64_t slot, token;
+        if (sb->itemsize == 8) {
+            memcpy(&slot, at, 8);
+        } else {
+            int32_t s32;
+            memcpy(&s32, at, 4);
+            slot = s32;
+        }
+        if (slot < 0 || slot >= nt) {
+            continue;
+        }
+        if (src->itemsize == 8) {
+            memcpy(&token, from, 8);
+        } else {
+            int32_t t32;
+            memcpy(&t32, from, 4);
+            token = t32;
+        }
+        table[slot] = (int32_t)token;
+    }
+}
+
 /* release_held() -> None: let go of the held guard buffers (tests, and a
  * checker whose arrays must be freed now) */
 static PyObject *
@@ -325,6 +411,7 @@ release_held(PyObject *self, PyObject *unused)
     guard_release(&held.gb);
     Py_CLEAR(held.tables);
     Py_CLEAR(held.slots);
+    fed_release();
     Py_RETURN_NONE;
 }
 
@@ -386,7 +473,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(hits)) {
         goto done;
     }
-    for (int i = G_LAST_BATCH; i <= G_RID_INT; i++) {
+    for (int i = G_LAST_BATCH; i <= G_FED; i++) {
         if ((o[i] = GET(dc, i)) == NULL) {
             goto done;
         }
@@ -503,6 +590,11 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (gb == NULL || total > gb->sb.shape[0]) {
         goto done;
     }
+    /* the input-token record, where the checker keeps one */
+    int fed = o[G_FED] != Py_None;
+    if (fed && held_fed_buffers(o[G_FED]) < 0) {
+        goto done;
+    }
     Py_ssize_t nhits = PyList_GET_SIZE(hits);
     if (nhits) { /* the blocks, read before anything is set */
         if ((hb = PyMem_Malloc(sizeof(Py_ssize_t) * nhits)) == NULL) {
@@ -549,6 +641,9 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
     }
     out = guard_core(&gb->sb, w, c, n, &gb->lb, &gb->fb, &gb->mb, bs);
+    if (out != NULL && fed) {
+        fed_scatter(&gb->sb, (Py_ssize_t)total, &held_fed.src, &held_fed.dst);
+    }
     if (out != NULL && nhits) {
         /* every hit written in full: checked (check_hits_written); else the
          * hits stay for the caller to report, with their requests */

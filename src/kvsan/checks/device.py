@@ -45,6 +45,10 @@ from ..report import Violation
 from . import native
 
 _NONE = -1
+#: a slot whose input token was not recorded (:meth:`DeviceChecker.record_inputs`):
+#: not written since its block was handed out, or written where the engine's
+#: inputs were not seen (a copy, a transfer, a step not guarded)
+NOT_FED = -1
 
 #: a table operation on at most this many blocks goes through a memoryview
 #: item by item (no library call); longer ones through numpy
@@ -133,7 +137,7 @@ class DeviceChecker:
     #: twenty.  Everything else stays in ``__dict__``.
     __slots__ = ("pending_guard", "_may_defer", "step_hits", "_last_batch", "_slots_view",
                  "_np", "block_size", "counters", "_rid_int", "_fast", "pending_sums",
-                 "poison_on", "checksum", "sums", "_tick", "pending_seal", "__dict__",
+                 "_fed", "poison_on", "checksum", "sums", "_tick", "pending_seal", "__dict__",
                  "__weakref__")
 
     def __init__(
@@ -170,6 +174,9 @@ class DeviceChecker:
         #: sealing: checks of a freshly sealed block that read the engine's
         #: own state (the worker adapter's input-token check), or None
         self.on_sealed: Callable | None = None
+        #: the input-token record (:meth:`record_inputs`): (the engine's
+        #: per-step array of input tokens, the per-slot table), or None
+        self._fed: tuple | None = None
         # worker view
         self.req_blocks: dict[str, list[int]] = {}
         self.holders: dict[int, set[str]] = {}
@@ -448,6 +455,8 @@ class DeviceChecker:
                 producers += [self._rint(rid)] * (len(fresh) - had)
         self._unseal(unsealed)
         self._put(1, fresh, 0)  # written from scratch
+        if self._fed is not None and fresh:
+            self._fed[1].reshape(-1, self.block_size)[fresh] = NOT_FED
         if partly:
             self._put(1, [b for b, _ in partly], [n for _, n in partly])
         self._put(0, fresh, producers)
@@ -711,6 +720,49 @@ class DeviceChecker:
             details=[{"block": block, "request": rid, "first_position": first,
                       "offsets": offsets, "fed_digest": fed, "request_digest": meant}])
 
+    # -- input tokens ---------------------------------------------------------
+    def record_inputs(self, source) -> bool:
+        """From now on, record at every guarded step the input token each
+        written slot's KV was computed from.  ``source``: a 1-d int array in
+        host memory that the engine fills every step with its batch's input
+        tokens, in the slot mapping's order (one per token written).  Kept
+        per slot in :attr:`fed_tokens` (:data:`NOT_FED` until written),
+        reset when a block is handed out, carried by copy-on-write copies:
+        at sealing, an engine adapter compares a block's with the tokens
+        its cache key is made of (:meth:`input_tokens_differ`).  Only with
+        the tables in host memory (returns whether it records)."""
+        if self._np is None:
+            return False
+        table = np.full(self.num_blocks * self.block_size, NOT_FED, dtype=np.int32)
+        self._fed = (source, table)
+        return True
+
+    @property
+    def fed_tokens(self) -> np.ndarray | None:
+        """Per slot, the input token last written there (see
+        :meth:`record_inputs`), or None when not recorded."""
+        return None if self._fed is None else self._fed[1]
+
+    def fed_block(self, block: int) -> list[int] | None:
+        """Block ``block``'s recorded input tokens, one per slot
+        (:data:`NOT_FED` where none was recorded), or None."""
+        if self._fed is None:
+            return None
+        bs = self.block_size
+        return self._fed[1][block * bs:(block + 1) * bs].tolist()
+
+    def _record_fed(self, slots: np.ndarray, total: int, fed=None) -> None:
+        """The step's input tokens (``fed``, else the engine's array now)
+        into the slots it wrote (``kvsan._devicefast.guard_step`` does the
+        same for the common step)."""
+        source, table = self._fed
+        tokens = np.asarray(source[:total] if fed is None else fed[:total])
+        slots = np.asarray(slots[:total])
+        if len(tokens) < total:  # (the engine's array is shorter than its step)
+            slots = slots[:len(tokens)]
+        ok = (slots >= 0) & (slots < len(table))
+        table[slots[ok]] = tokens[ok]
+
     def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int] | dict,
                why: str = "") -> None:
         """Re-checksum sealed ``blocks`` (one batched gather) and report any
@@ -756,6 +808,9 @@ class DeviceChecker:
             self._settle()
         if pairs:
             self._put(1, [d for _, d in pairs], self._read(1, [s for s, _ in pairs]))
+            if self._fed is not None:
+                rows = self._fed[1].reshape(-1, self.block_size)
+                rows[[d for _, d in pairs]] = rows[[s for s, _ in pairs]]
 
     def note_hits(self, hits: Sequence[tuple[str, int]]) -> None:
         """Prefix hits served this step: whether they are written at all is
@@ -890,7 +945,10 @@ class DeviceChecker:
         if not defer or self._np is None:
             return False
         buf = self._slot_buf(slot_mapping.dtype, total)
-        self.pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total)
+        # (the engine refills its input tokens before the copy is checked)
+        fed = self._fed[0][:total].copy() if self._fed is not None and ids is not None else None
+        self.pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total,
+                              fed)
         return True
 
     def count_writes(self, slot_mapping: torch.Tensor, total: int) -> None:
@@ -943,22 +1001,28 @@ class DeviceChecker:
         if pending is None:
             return
         self.pending_guard = None
-        buf, event, ids, counts, total = pending
+        buf, event, ids, counts, total, fed = pending
         if event is not None:
             event.synchronize()
         if ids is None:  # count_writes: no writers to check
             self._count_fill(buf[:total].to(self.fill.device))
             self.check_hits_written()
             return
-        self._check_writes(buf, ids, counts, total)
+        self._check_writes(buf, ids, counts, total, fed)
 
     def _check_writes(self, slot_mapping: torch.Tensor, ids: list[int], counts: list[int],
-                      total: int) -> None:
+                      total: int, fed=None) -> None:
+        """The guard over a slot mapping in host memory or on the tables'
+        device; ``fed``: the step's input tokens where they were copied when
+        the guard was deferred (else the engine's array holds them now)."""
         host = self._host_slots(slot_mapping, total) if self._fast is not None else None
         if host is not None:  # one C loop over host memory
             bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
         else:  # torch ops, on the tables' device (on a CPU device: the same memory)
             bad = self._bad_writes(slot_mapping[:total], ids, counts)
+        if self._fed is not None:
+            self._record_fed(host if host is not None else slot_mapping[:total].cpu().numpy(),
+                             total, fed)
         self.guarded(bad)
 
     def guarded(self, bad) -> None:

@@ -2,20 +2,29 @@
 
 A block sealed into the prefix cache is cached under the key of its
 request's tokens, but the KV in it was computed from the tokens the worker
-fed the model, which vLLM's V1 runner gathers from its input batch's rows
-(``InputBatch.token_ids_cpu``).  When the batch's bookkeeping loses them (a
-row not filled when its request is added, or not moved with its request
-when the batch is condensed), memory is handled correctly, so no lifetime,
-guard or checksum check can see it; yet the cache now serves wrong KV under
-a right key to every later hit.  At sealing, each block's fed tokens are
-compared with its request's own (the runner's request state, made from what
-the scheduler sent): ``input_token_mismatch``.
+fed the model.  vLLM's V1 runner gathers those from its input batch's rows
+(``InputBatch.token_ids_cpu``) into its ``input_ids`` buffer every step.
+When that goes wrong (a row not filled when its request is added, or not
+moved with its request when the batch is condensed; a gather that leaves
+the last step's tokens in the buffer), memory is handled correctly, so no
+lifetime, guard or checksum check can see it; yet the cache now serves
+wrong KV under a right key to every later hit.
+
+So the device checker records, at every guarded step, the token each
+written slot was fed (:meth:`DeviceChecker.record_inputs`: the runner's
+host ``input_ids`` buffer, read in C in the guard's common step), and at
+sealing each block's recorded tokens are compared with its request's own
+(the runner's request state, made from what the scheduler sent):
+``input_token_mismatch``.  Where the buffer cannot be recorded, the input
+batch's row over the block's positions stands in for it (what the gather
+reads; it does not see a wrong gather).
 
 Checked only where both are known to hold the step's inputs: the V1 runner
-without async scheduling (its sampled tokens reach the batch a step late),
-no KV connector (a connector loads blocks the worker never fed), requests
-given as token ids (not prompt embeddings).  Costs a few µs per sealed
-block, in Python, outside the common step.
+without async scheduling (its sampled tokens reach the batch, and the host
+buffer, a step late), no KV connector (a connector loads blocks the worker
+never fed), requests given as token ids (not prompt embeddings).  Costs a
+few µs per sealed block, in Python, outside the common step, and a store
+per token written in the guard's loop.
 """
 
 from __future__ import annotations
@@ -24,6 +33,10 @@ import functools
 import hashlib
 import weakref
 from array import array
+
+import torch
+
+from ..checks.device import NOT_FED
 
 
 def install(dc, runner, connector: bool) -> bool:
@@ -36,7 +49,24 @@ def install(dc, runner, connector: bool) -> bool:
             or not isinstance(getattr(runner, "requests", None), dict)):
         return False
     dc.on_sealed = functools.partial(_check_sealed, weakref.ref(runner))
+    source = input_tokens(runner)
+    if source is not None:
+        dc.record_inputs(source)
     return True
+
+
+def input_tokens(runner):
+    """A numpy view of the V1 runner's host buffer of the step's input
+    tokens (``input_ids.cpu``: what is copied to the device without async
+    scheduling; on a CPU the same tensor the model reads), or None."""
+    t = getattr(getattr(runner, "input_ids", None), "cpu", None)
+    try:
+        if t is not None and t.dim() == 1 and t.device.type == "cpu" \
+                and t.dtype in (torch.int32, torch.int64):
+            return t.numpy()
+    except Exception:  # noqa: BLE001 - not the buffer this version of vLLM keeps
+        return None
+    return None
 
 
 def _check_sealed(runner_ref, dc, sealed) -> None:
@@ -48,9 +78,10 @@ def _check_sealed(runner_ref, dc, sealed) -> None:
     batch = runner.input_batch
     rows, states, fed_rows, bs = batch.req_id_to_index, runner.requests, batch.token_ids_cpu, \
         dc.block_size
+    recorded = dc.fed_tokens is not None
     for b, rid in sealed:
-        st, row = states.get(rid), rows.get(rid)
-        if st is None or row is None or st.prompt_token_ids is None \
+        st = states.get(rid)
+        if st is None or st.prompt_token_ids is None \
                 or getattr(st, "prompt_embeds", None) is not None or not st.block_ids:
             continue
         try:
@@ -58,12 +89,21 @@ def _check_sealed(runner_ref, dc, sealed) -> None:
         except ValueError:
             continue  # (not in its table: nothing to place it by)
         meant = request_tokens(st.prompt_token_ids, st.output_token_ids, first, bs)
-        if meant is None or first + bs > fed_rows.shape[1]:
+        if meant is None:
             continue
-        fed = fed_rows[row, first:first + bs].tolist()
+        if recorded:
+            fed = dc.fed_block(b)
+        else:
+            row = rows.get(rid)
+            if row is None or first + bs > fed_rows.shape[1]:
+                continue
+            fed = fed_rows[row, first:first + bs].tolist()
         if fed != meant:
-            offsets = [j for j, (x, y) in enumerate(zip(fed, meant)) if x != y]
-            dc.input_tokens_differ(b, rid, first, offsets, token_digest(fed), token_digest(meant))
+            # (a slot not recorded, NOT_FED, was written where no input is seen)
+            offsets = [j for j, (x, y) in enumerate(zip(fed, meant)) if x != y and x != NOT_FED]
+            if offsets:
+                dc.input_tokens_differ(b, rid, first, offsets, token_digest(fed),
+                                       token_digest(meant))
 
 
 def request_tokens(prompt: list[int], output: list[int], first: int, n: int) -> list[int] | None:
