@@ -369,6 +369,39 @@ def test_a_row_condensed_without_its_tokens_is_input_token_mismatch(eng, rt, mon
     drain(eng)
 
 
+def test_a_gather_that_leaves_stale_input_ids_is_input_token_mismatch(eng, rt, monkeypatch):
+    """The runner's input batch row is right, but the step's input ids are
+    not gathered from it: the buffer the model reads still holds the last
+    step's tokens (the runner campaign's ``_prepare_inputs`` mutant that
+    drops the gather; here the buffer is overwritten after it, where
+    ``_prepare_input_ids`` copies it to the device).  The row agrees with
+    the request, so only the tokens recorded per slot as the step wrote
+    them show it: each block sealed from that prefill is reported."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._prepare_input_ids
+    stale = {"on": True}
+
+    def not_gathered(self, scheduler_output, num_reqs, total, *args, **kwargs):
+        if stale["on"]:
+            buf = self.input_ids.cpu[:total]
+            buf.copy_(buf % 499 + 1)  # other tokens than the row's
+        return original(self, scheduler_output, num_reqs, total, *args, **kwargs)
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_input_ids", not_gathered)
+    add(eng, "A", PREFIX + [3] * 5, max_tokens=8)
+    step(eng, 2)  # the prompt in two chunks fills blocks 0 and 1
+    stale["on"] = False
+    full, a_blocks = block_ids(eng, "A")
+    step(eng)  # (a step's blocks are sealed when the next begins)
+    bad = of(rt, "input_token_mismatch")
+    assert [(v.blocks, v.owners, v.actor) for v in bad] == [
+        ([a_blocks[0]], [full], full), ([a_blocks[1]], [full], full)]
+    assert bad[0].details[0]["offsets"] == list(range(BS))
+    assert device().fed_block(a_blocks[0]) == [t % 499 + 1 for t in PREFIX[:BS]]
+    drain(eng)
+
+
 def test_clean_traffic_has_its_sealed_blocks_checked_for_their_inputs(eng, rt, monkeypatch):
     """The check runs on this engine (V1 runner, no async scheduling) on
     the blocks sealed with their producer still in the worker view, and

@@ -71,6 +71,10 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     fresh_of: dict[str, list[int]] = {}
     live: list[str] = []
     nxt = 0
+    # the engine's input tokens, refilled every step (the torch path's
+    # tables are on the device: it records none)
+    fed = np.zeros(64, dtype=np.int32 if seed % 2 else np.int64)
+    assert dc.record_inputs(fed) == (path != "torch")
     for step in range(60):
         now[0] = step
         fault = rng.random() < 0.3
@@ -105,6 +109,7 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
         dc.verify_step(layers, [b for _, b in hits])
         batch = list(dict.fromkeys(r for r, _, _ in adds))
         counts = [rng.randrange(0, 6) for _ in batch]
+        fed[:] = [rng.randrange(1000) for _ in range(len(fed))]
         dc.guard(_slots(rng, fresh_of, batch, counts, fault).to(dc.device), batch, counts)
         dc.seal(layers)
         if fault and rng.random() < 0.5:  # a scribble into a block, between steps
@@ -145,6 +150,12 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
         else:
             assert _violations(found) == _violations(ref_found), path
         assert _state(dc) == _state(ref_dc), path
+    # the input tokens recorded per slot: the same on every host path (the
+    # deferred guard's with the tokens of its own step, copied when deferred)
+    fed = runs["numpy"][0].fed_tokens
+    assert (fed != device.NOT_FED).sum() > 20
+    for path in ("c", "deferred"):
+        assert runs[path][0].fed_tokens.tolist() == fed.tolist(), path
 
 
 def _decode_run(seed: int, one_call: bool, monkeypatch):
@@ -167,6 +178,8 @@ def _decode_steps(seed: int, one_call: bool, monkeypatch):
     found: list = []
     dc = _make("c", found, monkeypatch)
     slots = torch.full((32,), -1, dtype=rng.choice([torch.int64, torch.int32]))
+    fed = np.zeros(32, dtype=np.int32)
+    dc.record_inputs(fed)
     own = {f"r{i}": [2 * i, 2 * i + 1] for i in range(4)}
     dc.add_step([(rid, blocks, 0) for rid, blocks in own.items()])
     batch = ["r0", "r1", "r2"]
@@ -191,6 +204,7 @@ def _decode_steps(seed: int, one_call: bool, monkeypatch):
                 row.append(b * BS + rng.randrange(BS))
         slots.fill_(-1)
         slots[:len(row)] = torch.tensor(row, dtype=slots.dtype)
+        fed[:] = [rng.randrange(1000) for _ in range(len(fed))]
         rids = list(batch) + [None]  # (vLLM's batch keeps spare rows)
         bad = dc._fast.guard_step(dc, slots, rids, len(batch), counts) if one_call else None
         if bad is None:
@@ -217,6 +231,8 @@ def test_the_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
             if v.kind == "uninitialized_hit"] == [("uninitialized_hit", [NB - 1], ["r1"], "r1")]
     assert _violations(found) == _violations(ref_found)
     assert _state(dc) == _state(ref_dc)
+    assert dc.fed_tokens.tolist() == ref_dc.fed_tokens.tolist()
+    assert (dc.fed_tokens != device.NOT_FED).sum() > 10
     assert not dc.step_hits and not ref_dc.step_hits
     assert took == 40 - 1, took
 
