@@ -75,6 +75,7 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     # tables are on the device: it records none)
     fed = np.zeros(64, dtype=np.int32 if seed % 2 else np.int64)
     assert dc.record_inputs(fed) == (path != "torch")
+    tokens = random.Random(-seed)  # (its own: the traffic stays as it was)
     for step in range(60):
         now[0] = step
         fault = rng.random() < 0.3
@@ -109,7 +110,7 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
         dc.verify_step(layers, [b for _, b in hits])
         batch = list(dict.fromkeys(r for r, _, _ in adds))
         counts = [rng.randrange(0, 6) for _ in batch]
-        fed[:] = [rng.randrange(1000) for _ in range(len(fed))]
+        fed[:] = [tokens.randrange(1000) for _ in range(len(fed))]
         dc.guard(_slots(rng, fresh_of, batch, counts, fault).to(dc.device), batch, counts)
         dc.seal(layers)
         if fault and rng.random() < 0.5:  # a scribble into a block, between steps
@@ -180,6 +181,7 @@ def _decode_steps(seed: int, one_call: bool, monkeypatch):
     slots = torch.full((32,), -1, dtype=rng.choice([torch.int64, torch.int32]))
     fed = np.zeros(32, dtype=np.int32)
     dc.record_inputs(fed)
+    tokens = random.Random(-seed)  # (its own: the traffic stays as it was)
     own = {f"r{i}": [2 * i, 2 * i + 1] for i in range(4)}
     dc.add_step([(rid, blocks, 0) for rid, blocks in own.items()])
     batch = ["r0", "r1", "r2"]
@@ -204,7 +206,7 @@ def _decode_steps(seed: int, one_call: bool, monkeypatch):
                 row.append(b * BS + rng.randrange(BS))
         slots.fill_(-1)
         slots[:len(row)] = torch.tensor(row, dtype=slots.dtype)
-        fed[:] = [rng.randrange(1000) for _ in range(len(fed))]
+        fed[:] = [tokens.randrange(1000) for _ in range(len(fed))]
         rids = list(batch) + [None]  # (vLLM's batch keeps spare rows)
         bad = dc._fast.guard_step(dc, slots, rids, len(batch), counts) if one_call else None
         if bad is None:
