@@ -428,7 +428,9 @@ release_held(PyObject *self, PyObject *unused)
  * checked once its writes are counted, as check_hits_written checks them:
  * all written in full, they are cleared; else they stay, and the caller
  * runs check_hits_written (which reports them) before reporting the
- * writes.
+ * writes.  Where the checker records input tokens (``_fed``:
+ * DeviceChecker.record_inputs) the step's are stored per slot written, as
+ * DeviceChecker._record_fed stores them.
  *
  * Between two forward passes every Python frame is a cache miss, and a
  * step's guard took two (DeviceChecker.guard and _check_writes) and a list
