@@ -370,6 +370,20 @@ held_fed_buffers(PyObject *fed)
     return 0;
 }
 
+/* the int64 or int32 item at ``at`` (``itemsize`` 8 or 4) */
+static inline int64_t
+load_int(const char *at, Py_ssize_t itemsize)
+{
+    if (itemsize == 8) {
+        int64_t v;
+        memcpy(&v, at, 8);
+        return v;
+    }
+    int32_t v32;
+    memcpy(&v32, at, 4);
+    return v32;
+}
+
 /* table[slots[i]] = source[i] for the step's ``total`` tokens (padding
  * slots, < 0, and any past the table skipped), as
  * DeviceChecker._record_fed does */
@@ -381,25 +395,11 @@ fed_scatter(const Py_buffer *sb, Py_ssize_t total, const Py_buffer *src, Py_buff
     for (Py_ssize_t i = 0; i < n; i++) {
         const char *at = (const char *)sb->buf + i * sb->strides[0];
         const char *from = (const char *)src->buf + i * src->strides[0];
-        int64_t slot, token;
-        if (sb->itemsize == 8) {
-            memcpy(&slot, at, 8);
-        } else {
-            int32_t s32;
-            memcpy(&s32, at, 4);
-            slot = s32;
-        }
+        int64_t slot = load_int(at, sb->itemsize);
         if (slot < 0 || slot >= nt) {
             continue;
         }
-        if (src->itemsize == 8) {
-            memcpy(&token, from, 8);
-        } else {
-            int32_t t32;
-            memcpy(&t32, from, 4);
-            token = t32;
-        }
-        table[slot] = (int32_t)token;
+        table[slot] = (int32_t)load_int(from, src->itemsize);
     }
 }
 
