@@ -50,6 +50,20 @@ get_1d(PyObject *obj, Py_buffer *view, int writable, Py_ssize_t itemsize,
     return 0;
 }
 
+/* the int64 or int32 item at ``at`` (``itemsize`` 8 or 4) */
+static inline int64_t
+load_int(const char *at, Py_ssize_t itemsize)
+{
+    if (itemsize == 8) {
+        int64_t v;
+        memcpy(&v, at, 8);
+        return v;
+    }
+    int32_t v32;
+    memcpy(&v32, at, 4);
+    return v32;
+}
+
 static int
 read_ints(PyObject *seq, Py_ssize_t n, int64_t *out)
 {
@@ -80,16 +94,7 @@ guard_core(Py_buffer *sbp, const int64_t *w, const int64_t *c, Py_ssize_t nreq,
     for (Py_ssize_t r = 0; r < nreq; r++) {
         int64_t writer = w[r];
         for (int64_t k = 0; k < c[r]; k++, pos++) {
-            const char *at = (const char *)sb.buf + pos * sb.strides[0];
-            int64_t s;
-            if (sb.itemsize == 8) {
-                memcpy(&s, at, 8);
-            }
-            else {
-                int32_t s32;
-                memcpy(&s32, at, 4);
-                s = s32;
-            }
+            int64_t s = load_int((const char *)sb.buf + pos * sb.strides[0], sb.itemsize);
             if (s < 0) {
                 continue;  /* padding */
             }
@@ -370,20 +375,6 @@ held_fed_buffers(PyObject *fed)
     return 0;
 }
 
-/* the int64 or int32 item at ``at`` (``itemsize`` 8 or 4) */
-static inline int64_t
-load_int(const char *at, Py_ssize_t itemsize)
-{
-    if (itemsize == 8) {
-        int64_t v;
-        memcpy(&v, at, 8);
-        return v;
-    }
-    int32_t v32;
-    memcpy(&v32, at, 4);
-    return v32;
-}
-
 /* table[slots[i]] = source[i] for the step's ``total`` tokens (padding
  * slots, < 0, and any past the table skipped), as
  * DeviceChecker._record_fed does */
@@ -570,14 +561,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_XSETREF(ids, last_ids);
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        const char *at = (const char *)cb.buf + i * cb.strides[0];
-        if (cb.itemsize == 8) {
-            memcpy(&c[i], at, 8);
-        } else {
-            int32_t v;
-            memcpy(&v, at, 4);
-            c[i] = v;
-        }
+        c[i] = load_int((const char *)cb.buf + i * cb.strides[0], cb.itemsize);
         long long id = PyLong_AsLongLong(PyList_GET_ITEM(last_ids, i));
         if (c[i] < 0 || (id == -1 && PyErr_Occurred())) {
             goto done;
