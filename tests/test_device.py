@@ -402,6 +402,47 @@ def test_a_gather_that_leaves_stale_input_ids_is_input_token_mismatch(eng, rt, m
     drain(eng)
 
 
+def test_sequence_lengths_other_than_the_written_extent_are_read_extent_mismatch(
+        eng, rt, monkeypatch):
+    """Attention reads each request's KV up to the step's sequence length.
+    Left a step behind (the ``--inputs`` campaign's mutants: ``seq_lens``
+    not written, or made from stale scheduled counts), a request reads
+    less than it wrote; made too long, it reads slots it never wrote.
+    Every write is right, so only the read extent shows it: each step is
+    reported with the request and the blocks between the two extents."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original = GPUModelRunner._prepare_input_ids
+    fault = {"mode": "stale", "last": None}
+
+    def misread(self, scheduler_output, num_reqs, total, *args, **kwargs):
+        now = self.seq_lens[:num_reqs].clone()
+        if fault["mode"] == "stale" and fault["last"] is not None:
+            self.seq_lens[:len(fault["last"])] = fault["last"]  # the last step's
+        elif fault["mode"] == "past":
+            self.seq_lens[:num_reqs] += 3
+        fault["last"] = now
+        return original(self, scheduler_output, num_reqs, total, *args, **kwargs)
+
+    monkeypatch.setattr(GPUModelRunner, "_prepare_input_ids", misread)
+    add(eng, "A", PREFIX + [3] * 5, max_tokens=8)
+    step(eng, 2)  # the prompt in two chunks (48 + 21); the second reads 48
+    full, a_blocks = block_ids(eng, "A")
+    fault["mode"] = "past"
+    step(eng)  # its first decode (writes position 69) reads 73
+    fault["mode"] = None
+    step(eng)
+    bad = of(rt, "read_extent_mismatch")
+    assert [(v.blocks, v.owners, v.actor) for v in bad] == [
+        (a_blocks[1:3], [full], full), ([a_blocks[2]], [full], full)], \
+        [(v.kind, v.blocks, v.message) for v in rt.violations()]
+    assert [(v.details[0]["read_extent"], v.details[0]["written_extent"]) for v in bad] == [
+        (2 * BS - 16, 2 * BS + 5), (2 * BS + 9, 2 * BS + 6)]
+    assert "leaving out the KV of its newest 21" in bad[0].message
+    assert "the last 3 of which it never wrote" in bad[1].message
+    drain(eng)
+
+
 def test_clean_traffic_has_its_sealed_blocks_checked_for_their_inputs(eng, rt, monkeypatch):
     """The check runs on this engine (V1 runner, no async scheduling) on
     the blocks sealed with their producer still in the worker view, and

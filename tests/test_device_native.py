@@ -76,6 +76,11 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     fed = np.zeros(64, dtype=np.int32 if seed % 2 else np.int64)
     assert dc.record_inputs(fed) == (path != "torch")
     tokens = random.Random(-seed)  # (its own: the traffic stays as it was)
+    # what the engine's attention reads, refilled every step (every path
+    # reads them on the host)
+    seq_lens, positions = np.zeros(8, dtype=np.int32), np.zeros(64, dtype=np.int64)
+    dc.record_reads(seq_lens, positions)
+    extents = random.Random(seed + 1000)
     for step in range(60):
         now[0] = step
         fault = rng.random() < 0.3
@@ -111,7 +116,9 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
         batch = list(dict.fromkeys(r for r, _, _ in adds))
         counts = [rng.randrange(0, 6) for _ in batch]
         fed[:] = [tokens.randrange(1000) for _ in range(len(fed))]
+        _fill_reads(extents, counts, seq_lens, positions)
         dc.guard(_slots(rng, fresh_of, batch, counts, fault).to(dc.device), batch, counts)
+        seq_lens[:], positions[:] = -7, -7  # (the engine's next step: a deferred guard's are copied)
         dc.seal(layers)
         if fault and rng.random() < 0.5:  # a scribble into a block, between steps
             t = layers[rng.randrange(2)]  # its raw bits: the same change on every device
@@ -119,6 +126,18 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
                 rng.randrange(24)] += 1
     dc.flush()
     return dc, found
+
+
+def _fill_reads(rng, counts, seq_lens, positions) -> None:
+    """A step's read extents: each request's tokens at consecutive
+    positions from where it stands, its sequence length the last + 1; now
+    and then one reads further or less far than it wrote."""
+    at = 0
+    for i, n in enumerate(counts):
+        start = rng.randrange(3 * BS)
+        positions[at:at + n] = np.arange(start, start + n)
+        seq_lens[i] = start + n + (rng.choice([-2, -1, 1, 5]) if rng.random() < 0.1 else 0)
+        at += n
 
 
 def _state(dc: DeviceChecker) -> dict:
@@ -140,7 +159,8 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
     the step it was checked at)."""
     runs = {p: _run(seed, p, monkeypatch) for p in ("c", "numpy", "torch", "deferred")}
     ref_dc, ref_found = runs["torch"]
-    assert {v.kind for v in ref_found} >= {"overwrite_shared_block"}  # the faults are seen
+    # the faults are seen
+    assert {v.kind for v in ref_found} >= {"overwrite_shared_block", "read_extent_mismatch"}
     for path in ("c", "numpy", "deferred"):
         dc, found = runs[path]
         if path == "deferred":
@@ -182,6 +202,9 @@ def _decode_steps(seed: int, one_call: bool, monkeypatch):
     fed = np.zeros(32, dtype=np.int32)
     dc.record_inputs(fed)
     tokens = random.Random(-seed)  # (its own: the traffic stays as it was)
+    seq_lens, positions = np.zeros(8, dtype=np.int32), np.zeros(32, dtype=np.int64)
+    dc.record_reads(seq_lens, positions)
+    extents = random.Random(seed + 1000)
     own = {f"r{i}": [2 * i, 2 * i + 1] for i in range(4)}
     dc.add_step([(rid, blocks, 0) for rid, blocks in own.items()])
     batch = ["r0", "r1", "r2"]
@@ -207,6 +230,7 @@ def _decode_steps(seed: int, one_call: bool, monkeypatch):
         slots.fill_(-1)
         slots[:len(row)] = torch.tensor(row, dtype=slots.dtype)
         fed[:] = [tokens.randrange(1000) for _ in range(len(fed))]
+        _fill_reads(extents, counts, seq_lens, positions)
         rids = list(batch) + [None]  # (vLLM's batch keeps spare rows)
         bad = dc._fast.guard_step(dc, slots, rids, len(batch), counts) if one_call else None
         if bad is None:
@@ -228,7 +252,8 @@ def test_the_guard_in_one_call_agrees_with_the_checker(seed, monkeypatch):
     A hit on a block never written is left for ``guarded`` to report."""
     dc, found, took = _decode_run(seed, True, monkeypatch)
     ref_dc, ref_found, _ = _decode_run(seed, False, monkeypatch)
-    assert {v.kind for v in ref_found} == {"overwrite_shared_block", "uninitialized_hit"}
+    assert {v.kind for v in ref_found} == {"overwrite_shared_block", "uninitialized_hit",
+                                           "read_extent_mismatch"}
     assert [(v.kind, v.blocks, v.owners, v.actor) for v in found
             if v.kind == "uninitialized_hit"] == [("uninitialized_hit", [NB - 1], ["r1"], "r1")]
     assert _violations(found) == _violations(ref_found)

@@ -27,7 +27,7 @@
 
 #include "_slots.h"
 
-#define KVSAN_DEVICEFAST_ABI 4
+#define KVSAN_DEVICEFAST_ABI 5
 
 /* ------------------------------------------------------------ guard */
 
@@ -275,14 +275,14 @@ done:
  * through the instance dict cost about 0.4 µs (caches cold), nine of them
  * a third of the guard's own time */
 enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
-       G_COUNTERS, G_RID_INT, G_FED, G_GUARDED, G_DATA_PTR, G_N };
+       G_COUNTERS, G_RID_INT, G_FED, G_READS, G_GUARDED, G_DATA_PTR, G_N };
 static const char *g_names[G_N] = {"pending_guard", "_may_defer", "step_hits", "_last_batch",
                                    "_slots_view", "_np", "block_size", "counters", "_rid_int",
-                                   "_fed", "guarded_tokens", "data_ptr"};
+                                   "_fed", "_reads", "guarded_tokens", "data_ptr"};
 static PyObject *g_str[G_N];
 
 /* new reference to obj.<name> (NULL with an exception) */
-#define G_NSLOTS (G_FED + 1)
+#define G_NSLOTS (G_READS + 1)
 static SlotTable g_slots;
 
 /* new reference to checker.<g_names[i]> (NULL with an exception) */
@@ -322,56 +322,69 @@ held_buffers(PyObject *tables, PyObject *slots)
     return &held.gb;
 }
 
-/* The input-token record's buffers (DeviceChecker.record_inputs), held as
- * the guard's are: the checker's ``_fed`` tuple (the engine's per-step
- * input tokens, int32 or int64; the per-slot int32 table) they were taken
- * from, kept alive with them. */
-static struct {
-    PyObject *fed;
-    Py_buffer src, dst;
+/* Two 1-d int buffers a checker keeps in a 2-tuple, held between steps as
+ * the guard's are, keyed by the tuple (kept alive with them): its
+ * input-token record (``_fed``: the engine's per-step input tokens; the
+ * per-slot int32 table, written) and its read-extent record (``_reads``:
+ * the engine's per-step sequence lengths and positions). */
+typedef struct {
+    PyObject *key;
+    Py_buffer a, b;
     int have; /* how many of the two were taken, in that order */
-} held_fed = {NULL, .have = 0};
+} HeldPair;
+static HeldPair held_fed = {NULL, .have = 0}, held_reads = {NULL, .have = 0};
 
 static void
-fed_release(void)
+pair_release(HeldPair *h)
 {
-    if (held_fed.have > 1) {
-        PyBuffer_Release(&held_fed.dst);
+    if (h->have > 1) {
+        PyBuffer_Release(&h->b);
     }
-    if (held_fed.have > 0) {
-        PyBuffer_Release(&held_fed.src);
+    if (h->have > 0) {
+        PyBuffer_Release(&h->a);
     }
-    held_fed.have = 0;
-    Py_CLEAR(held_fed.fed);
+    h->have = 0;
+    Py_CLEAR(h->key);
 }
 
-/* 0 with held_fed holding ``fed``'s buffers; -1 with an exception */
+/* one int32 / int64 array of a pair (``table``: the written int32 one) */
 static int
-held_fed_buffers(PyObject *fed)
+pair_take(PyObject *obj, Py_buffer *view, int table, const char *what)
 {
-    if (held_fed.fed == fed && held_fed.have == 2) {
+    if (get_1d(obj, view, table, table ? 4 : 0, what) < 0) {
+        return -1;
+    }
+    if (!table && !int_items(view)) {
+        PyErr_Format(PyExc_ValueError, "%s: int64 or int32 items are needed", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* 0 with ``h`` holding ``pair``'s two buffers (the second a written int32
+ * table where ``table``); -1 with an exception naming ``what`` */
+static int
+held_pair(HeldPair *h, PyObject *pair, int table, const char *what)
+{
+    if (h->key == pair && h->have == 2) {
         return 0;
     }
-    fed_release();
-    if (!PyTuple_Check(fed) || PyTuple_GET_SIZE(fed) != 2) {
-        PyErr_SetString(PyExc_ValueError, "_fed: a (source, table) tuple is needed");
+    pair_release(h);
+    if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        PyErr_Format(PyExc_ValueError, "%s: a 2-tuple of arrays is needed", what);
         return -1;
     }
-    if (get_1d(PyTuple_GET_ITEM(fed, 0), &held_fed.src, 0, 0, "fed source") < 0) {
+    if (pair_take(PyTuple_GET_ITEM(pair, 0), &h->a, 0, what) < 0) {
         return -1;
     }
-    held_fed.have = 1;
-    if (!int_items(&held_fed.src)) {
-        PyErr_SetString(PyExc_ValueError, "fed source: int64 or int32 items are needed");
-        fed_release();
+    h->have = 1;
+    if (pair_take(PyTuple_GET_ITEM(pair, 1), &h->b, table, what) < 0) {
+        pair_release(h);
         return -1;
     }
-    if (get_1d(PyTuple_GET_ITEM(fed, 1), &held_fed.dst, 1, 4, "fed table") < 0) {
-        fed_release();
-        return -1;
-    }
-    held_fed.have = 2;
-    held_fed.fed = Py_NewRef(fed);
+    h->have = 2;
+    h->key = Py_NewRef(pair);
     return 0;
 }
 
@@ -394,6 +407,37 @@ fed_scatter(const Py_buffer *sb, Py_ssize_t total, const Py_buffer *src, Py_buff
     }
 }
 
+/* the step's read extents (DeviceChecker._bad_reads): each of the ``n``
+ * requests that wrote tokens (``c``) reads ``seq[i]`` slots of its KV,
+ * which must be the position of its last token (in ``pos``, over the
+ * step's ``total`` tokens) + 1; a (writer, read, written) tuple appended to
+ * ``out`` for each that does not.  0, or -1 with an exception. */
+static int
+bad_reads(PyObject *out, const int64_t *w, const int64_t *c, Py_ssize_t n, int64_t total,
+          const Py_buffer *seq, const Py_buffer *pos)
+{
+    int64_t at = 0, npos = total < pos->shape[0] ? total : pos->shape[0];
+    for (Py_ssize_t i = 0; i < n && i < seq->shape[0]; i++) {
+        at += c[i];
+        if (c[i] <= 0 || at > npos) {
+            continue;
+        }
+        int64_t read = load_int((const char *)seq->buf + i * seq->strides[0], seq->itemsize);
+        int64_t wrote = load_int((const char *)pos->buf + (at - 1) * pos->strides[0],
+                                 pos->itemsize) + 1;
+        if (read == wrote) {
+            continue;
+        }
+        PyObject *t = Py_BuildValue("(LLL)", (long long)w[i], (long long)read, (long long)wrote);
+        if (t == NULL || PyList_Append(out, t) < 0) {
+            Py_XDECREF(t);
+            return -1;
+        }
+        Py_DECREF(t);
+    }
+    return 0;
+}
+
 /* release_held() -> None: let go of the held guard buffers (tests, and a
  * checker whose arrays must be freed now) */
 static PyObject *
@@ -402,7 +446,8 @@ release_held(PyObject *self, PyObject *unused)
     guard_release(&held.gb);
     Py_CLEAR(held.tables);
     Py_CLEAR(held.slots);
-    fed_release();
+    pair_release(&held_fed);
+    pair_release(&held_reads);
     Py_RETURN_NONE;
 }
 
@@ -421,7 +466,10 @@ release_held(PyObject *self, PyObject *unused)
  * runs check_hits_written (which reports them) before reporting the
  * writes.  Where the checker records input tokens (``_fed``:
  * DeviceChecker.record_inputs) the step's are stored per slot written, as
- * DeviceChecker._record_fed stores them.
+ * DeviceChecker._record_fed stores them; where it checks read extents
+ * (``_reads``: DeviceChecker.record_reads), the requests whose extent
+ * differs follow the bad writes as (writer, read, written), as
+ * DeviceChecker._bad_reads finds them.
  *
  * Between two forward passes every Python frame is a cache miss, and a
  * step's guard took two (DeviceChecker.guard and _check_writes) and a list
@@ -466,7 +514,7 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (!PyList_CheckExact(hits)) {
         goto done;
     }
-    for (int i = G_LAST_BATCH; i <= G_FED; i++) {
+    for (int i = G_LAST_BATCH; i <= G_READS; i++) {
         if ((o[i] = GET(dc, i)) == NULL) {
             goto done;
         }
@@ -577,8 +625,12 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         goto done;
     }
     /* the input-token record, where the checker keeps one */
-    int fed = o[G_FED] != Py_None;
-    if (fed && held_fed_buffers(o[G_FED]) < 0) {
+    int fed = o[G_FED] != Py_None, reads = o[G_READS] != Py_None;
+    if (fed && held_pair(&held_fed, o[G_FED], 1, "_fed") < 0) {
+        goto done;
+    }
+    /* the read-extent record, where the checker keeps one */
+    if (reads && held_pair(&held_reads, o[G_READS], 0, "_reads") < 0) {
         goto done;
     }
     Py_ssize_t nhits = PyList_GET_SIZE(hits);
@@ -628,7 +680,11 @@ guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     out = guard_core(&gb->sb, w, c, n, &gb->lb, &gb->fb, &gb->mb, bs);
     if (out != NULL && fed) {
-        fed_scatter(&gb->sb, (Py_ssize_t)total, &held_fed.src, &held_fed.dst);
+        fed_scatter(&gb->sb, (Py_ssize_t)total, &held_fed.a, &held_fed.b);
+    }
+    if (out != NULL && reads
+        && bad_reads(out, w, c, n, total, &held_reads.a, &held_reads.b) < 0) {
+        Py_CLEAR(out);
     }
     if (out != NULL && nhits) {
         /* every hit written in full: checked (check_hits_written); else the

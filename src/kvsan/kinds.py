@@ -44,17 +44,24 @@ UNINITIALIZED_HIT = "uninitialized_hit"
 #: the memory is handled correctly, the bytes are wrong, and every later
 #: hit on the key reads them
 INPUT_TOKEN_MISMATCH = "input_token_mismatch"
+#: a request whose attention this step reads another extent of its KV than
+#: it has written (its sequence length is not its last written position +
+#: 1): past it, slots it never wrote (stale KV, another request's, or a
+#: freed block's: a use-after-free read); short of it, its newest tokens'
+#: KV is ignored
+READ_EXTENT_MISMATCH = "read_extent_mismatch"
 
 DEVICE_KINDS = (
     OVERWRITE_SHARED_BLOCK,
     CHECKSUM_MISMATCH,
     UNINITIALIZED_HIT,
     INPUT_TOKEN_MISMATCH,
+    READ_EXTENT_MISMATCH,
     REUSE_WITH_LIVE_OWNERS,
 )
 
 ALL_KINDS = ALLOCATOR_KINDS + (OVERWRITE_SHARED_BLOCK, CHECKSUM_MISMATCH, UNINITIALIZED_HIT,
-                               INPUT_TOKEN_MISMATCH)
+                               INPUT_TOKEN_MISMATCH, READ_EXTENT_MISMATCH)
 
 # identity audit (EngineCore)
 CACHE_KEY_MISMATCH = "cache_key_mismatch"
@@ -76,4 +83,5 @@ CLASS_OF = {
     CHECKSUM_MISMATCH: CORRUPTION,
     UNINITIALIZED_HIT: CORRUPTION,
     INPUT_TOKEN_MISMATCH: CORRUPTION,
+    READ_EXTENT_MISMATCH: CORRUPTION,
 }

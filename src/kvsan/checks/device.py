@@ -137,7 +137,7 @@ class DeviceChecker:
     #: twenty.  Everything else stays in ``__dict__``.
     __slots__ = ("pending_guard", "_may_defer", "step_hits", "_last_batch", "_slots_view",
                  "_np", "block_size", "counters", "_rid_int", "_fast", "pending_sums",
-                 "_fed", "poison_on", "checksum", "sums", "_tick", "pending_seal", "__dict__",
+                 "_fed", "_reads", "poison_on", "checksum", "sums", "_tick", "pending_seal", "__dict__",
                  "__weakref__")
 
     def __init__(
@@ -177,6 +177,9 @@ class DeviceChecker:
         #: the input-token record (:meth:`record_inputs`): (the engine's
         #: per-step array of input tokens, the per-slot table), or None
         self._fed: tuple | None = None
+        #: the read-extent record (:meth:`record_reads`): (the engine's
+        #: per-step sequence lengths, its per-step positions), or None
+        self._reads: tuple | None = None
         # worker view
         self.req_blocks: dict[str, list[int]] = {}
         self.holders: dict[int, set[str]] = {}
@@ -213,7 +216,8 @@ class DeviceChecker:
         self._slots_view: tuple = (None, 0, None)
         #: a guard whose slot mapping is still being copied from the device:
         #: (host buffer, copy-done event or None, writer ints, tokens per
-        #: writer, total); checked by :meth:`_settle`, at the latest when the
+        #: writer, total, the step's input tokens or None, its read extents
+        #: or None: copied when deferred); checked by :meth:`_settle`, at the latest when the
         #: step ends (:meth:`seal`), so the copy never stalls the step.  Read
         #: by the worker adapter after every forward (as ``pending_sums``)
         self.pending_guard: tuple | None = None
@@ -427,8 +431,8 @@ class DeviceChecker:
             mine = req_blocks.get(rid)
             if mine is None:
                 mine = req_blocks[rid] = []
+            mine.extend(blocks)  # in table order: a read extent is placed by it
             new = blocks[n_hits:] if n_hits else blocks
-            mine.extend(new)
             had = len(fresh)
             for b in new:
                 if b in null:
@@ -463,9 +467,7 @@ class DeviceChecker:
         for rid, blocks, n_hits, *_ in adds:
             if not n_hits:
                 continue
-            served = blocks[:n_hits]
-            req_blocks[rid].extend(served)  # table order is not used; membership is
-            for b in served:
+            for b in blocks[:n_hits]:
                 if b in null:
                     continue
                 hits.append((rid, b))
@@ -774,6 +776,63 @@ class DeviceChecker:
         ok = (slots >= 0) & (slots < len(table))
         table[slots[ok]] = tokens[ok]
 
+    # -- read extents ---------------------------------------------------------
+    def record_reads(self, seq_lens, positions) -> None:
+        """From now on, check at every guarded step what attention reads of
+        each request's KV: ``seq_lens`` (per batch row) and ``positions``
+        (per token, in the slot mapping's order), 1-d int arrays in host
+        memory that the engine fills every step with what its attention
+        reads and where each token is written.  A request that wrote tokens
+        this step reads its KV up to its sequence length, which must be
+        the position of its last token + 1: past it, it reads slots it
+        never wrote (stale KV, a freed block's: a use-after-free read);
+        short of it, its newest tokens' KV is left out
+        (``read_extent_mismatch``).  The arrays are read on the host
+        whichever device the tables are on."""
+        self._reads = (seq_lens, positions)
+
+    def _bad_reads(self, ids: list[int], counts: list[int], total: int,
+                   reads=None) -> list[tuple[int, int, int]]:
+        """The step's requests whose read extent is not the one they wrote,
+        as (writer int, slots read, slots written): ``reads``, the step's
+        (sequence lengths, positions) where they were copied when the guard
+        was deferred, else the engine's arrays now (what
+        ``kvsan._devicefast.guard_step`` checks for the common step)."""
+        seq_lens, positions = self._reads if reads is None else reads
+        n = min(len(counts), len(seq_lens))
+        c = np.asarray(counts[:n], dtype=np.int64)
+        last = np.cumsum(c) - 1
+        ok = (c > 0) & (last < min(total, len(positions)))
+        rows = np.flatnonzero(ok)
+        if not len(rows):
+            return []
+        read = np.asarray(seq_lens[:n])[rows].astype(np.int64)
+        wrote = np.asarray(positions)[last[rows]].astype(np.int64) + 1
+        off = np.flatnonzero(read != wrote)
+        return [(ids[rows[i]], int(read[i]), int(wrote[i])) for i in off]
+
+    def report_read(self, writer: int, read: int, wrote: int) -> None:
+        """Request int ``writer`` reads ``read`` slots of its KV this step,
+        having written ``wrote``: the blocks of its table between the two
+        are named (those it reads unwritten, or whose newest KV it skips)."""
+        rid = self._int_rid[writer]
+        table = self.req_blocks.get(rid, ())
+        bs = self.block_size
+        lo, hi = min(read, wrote), max(read, wrote)
+        span = [b for b in table[max(lo, 0) // bs:(hi - 1) // bs + 1] if b not in self.null]
+        blocks = span or [b for b in table[-1:] if b not in self.null]
+        if read > wrote:
+            what = (f"the last {read - wrote} of which it never wrote (stale KV, another "
+                    "request's or a freed block's: a use-after-free read)")
+        else:
+            what = f"leaving out the KV of its newest {wrote - read} token(s)"
+        self._report(
+            kinds.READ_EXTENT_MISMATCH,
+            f"{rid} reads {read} slots of its KV this step, {what}: it has written {wrote}",
+            blocks, {rid}, rid,
+            details=[{"request": rid, "read_extent": read, "written_extent": wrote,
+                      "table_blocks": len(table)}])
+
     def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int] | dict,
                why: str = "") -> None:
         """Re-checksum sealed ``blocks`` (one batched gather) and report any
@@ -959,8 +1018,11 @@ class DeviceChecker:
         buf = self._slot_buf(slot_mapping.dtype, total)
         # (the engine refills its input tokens before the copy is checked)
         fed = self._fed[0][:total].copy() if self._fed is not None and ids is not None else None
+        reads = self._reads
+        if reads is not None and ids is not None:
+            reads = (np.array(reads[0][:len(ids)]), np.array(reads[1][:total]))
         self.pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total,
-                              fed)
+                              fed, reads)
         return True
 
     def count_writes(self, slot_mapping: torch.Tensor, total: int) -> None:
@@ -1013,20 +1075,21 @@ class DeviceChecker:
         if pending is None:
             return
         self.pending_guard = None
-        buf, event, ids, counts, total, fed = pending
+        buf, event, ids, counts, total, fed, reads = pending
         if event is not None:
             event.synchronize()
         if ids is None:  # count_writes: no writers to check
             self._count_fill(buf[:total].to(self.fill.device))
             self.check_hits_written()
             return
-        self._check_writes(buf, ids, counts, total, fed)
+        self._check_writes(buf, ids, counts, total, fed, reads)
 
     def _check_writes(self, slot_mapping: torch.Tensor, ids: list[int], counts: list[int],
-                      total: int, fed=None) -> None:
+                      total: int, fed=None, reads=None) -> None:
         """The guard over a slot mapping in host memory or on the tables'
-        device; ``fed``: the step's input tokens where they were copied when
-        the guard was deferred (else the engine's array holds them now)."""
+        device; ``fed`` and ``reads``: the step's input tokens and read
+        extents where they were copied when the guard was deferred (else
+        the engine's arrays hold them now)."""
         host = self._host_slots(slot_mapping, total) if self._fast is not None else None
         if host is not None:  # one C loop over host memory
             bad = self._fast.guard(host, ids, counts, *self._np, self.block_size)
@@ -1035,6 +1098,8 @@ class DeviceChecker:
         if self._fed is not None:
             self._record_fed(host if host is not None else slot_mapping[:total].cpu().numpy(),
                              total, fed)
+        if self._reads is not None:
+            bad = list(bad) + self._bad_reads(ids, counts, total, reads)
         self.guarded(bad)
 
     def guarded(self, bad) -> None:
@@ -1047,8 +1112,13 @@ class DeviceChecker:
             self.report_writes(bad)
 
     def report_writes(self, bad) -> None:
-        """Report the guard's bad writes: distinct (block, writer int) pairs."""
-        for b, w in bad:
+        """Report the guard's findings: bad writes, distinct (block, writer
+        int) pairs, then bad read extents, (writer int, read, written)."""
+        for x in bad:
+            if len(x) == 3:
+                self.report_read(*x)
+                continue
+            b, w = x
             rid = self._int_rid[w]
             holders = self.holders.get(b, set())
             if b in self.sealed:

@@ -55,18 +55,42 @@ def install(dc, runner, connector: bool) -> bool:
     return True
 
 
-def input_tokens(runner):
-    """A numpy view of the V1 runner's host buffer of the step's input
-    tokens (``input_ids.cpu``: what is copied to the device without async
-    scheduling; on a CPU the same tensor the model reads), or None."""
-    t = getattr(getattr(runner, "input_ids", None), "cpu", None)
+def record_reads(dc, runner) -> bool:
+    """Have checker ``dc`` check, at every guarded step, what attention
+    reads of each request's KV (:meth:`DeviceChecker.record_reads`): the
+    V1 runner's per-request ``seq_lens`` against the ``positions`` of the
+    tokens it wrote, both filled in ``_prepare_inputs`` before the guard
+    runs.  Only where both are in host memory (vLLM's CPU backend); on a
+    GPU they stay on the device (reading them would stall the step).
+    Returns whether it will."""
+    batch = getattr(runner, "input_batch", None)
+    if not hasattr(batch, "token_ids_cpu") or not hasattr(type(runner), "_prepare_inputs"):
+        return False  # not the V1 runner whose buffers these are
+    seq_lens, positions = (_host_ints(getattr(runner, name, None))
+                           for name in ("seq_lens", "positions"))
+    if seq_lens is None or positions is None:
+        return False
+    dc.record_reads(seq_lens, positions)
+    return True
+
+
+def _host_ints(t):
+    """A numpy view of ``t`` where it is a 1-d int32 / int64 tensor
+    in host memory, else None."""
     try:
-        if t is not None and t.dim() == 1 and t.device.type == "cpu" \
+        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.device.type == "cpu" \
                 and t.dtype in (torch.int32, torch.int64):
             return t.numpy()
     except Exception:  # noqa: BLE001 - not the buffer this version of vLLM keeps
         return None
     return None
+
+
+def input_tokens(runner):
+    """A numpy view of the V1 runner's host buffer of the step's input
+    tokens (``input_ids.cpu``: what is copied to the device without async
+    scheduling; on a CPU the same tensor the model reads), or None."""
+    return _host_ints(getattr(getattr(runner, "input_ids", None), "cpu", None))
 
 
 def _check_sealed(runner_ref, dc, sealed) -> None:

@@ -163,6 +163,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
             defer_sums=None if rt.config.mode == "log" else False,
         )
         vllm_inputs.install(dc, runner, _has_connector())
+        vllm_inputs.record_reads(dc, runner)
         _checkers[runner] = dc
     return dc
 
