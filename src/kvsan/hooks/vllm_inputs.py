@@ -1,4 +1,6 @@
-"""vLLM adapter for the input-token check of freshly sealed blocks (worker).
+"""vLLM adapter for the checks on the step's inputs (worker): the input
+tokens of freshly sealed blocks, and the extent of each request's KV that
+attention reads.
 
 A block sealed into the prefix cache is cached under the key of its
 request's tokens, but the KV in it was computed from the tokens the worker
@@ -25,6 +27,11 @@ buffer, a step late), no KV connector (a connector loads blocks the worker
 never fed), requests given as token ids (not prompt embeddings).  Costs a
 few µs per sealed block, in Python, outside the common step, and a store
 per token written in the guard's loop.
+
+Attention reads each request's KV up to its sequence length (the runner's
+``seq_lens``), which the runner fills next to the positions the slot
+mapping is made from: :func:`record_reads` has the device checker compare
+the two for every request of every guarded step (``read_extent_mismatch``).
 """
 
 from __future__ import annotations
