@@ -118,7 +118,8 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
         fed[:] = [tokens.randrange(1000) for _ in range(len(fed))]
         _fill_reads(extents, counts, seq_lens, positions)
         dc.guard(_slots(rng, fresh_of, batch, counts, fault).to(dc.device), batch, counts)
-        seq_lens[:], positions[:] = -7, -7  # (the engine's next step: a deferred guard's are copied)
+        # the engine's next step refills them: a deferred guard checks its copies
+        seq_lens[:], positions[:] = -7, -7
         dc.seal(layers)
         if fault and rng.random() < 0.5:  # a scribble into a block, between steps
             t = layers[rng.randrange(2)]  # its raw bits: the same change on every device

@@ -137,8 +137,8 @@ class DeviceChecker:
     #: twenty.  Everything else stays in ``__dict__``.
     __slots__ = ("pending_guard", "_may_defer", "step_hits", "_last_batch", "_slots_view",
                  "_np", "block_size", "counters", "_rid_int", "_fast", "pending_sums",
-                 "_fed", "_reads", "poison_on", "checksum", "sums", "_tick", "pending_seal", "__dict__",
-                 "__weakref__")
+                 "_fed", "_reads", "poison_on", "checksum", "sums", "_tick", "pending_seal",
+                 "__dict__", "__weakref__")
 
     def __init__(
         self,
@@ -217,9 +217,10 @@ class DeviceChecker:
         #: a guard whose slot mapping is still being copied from the device:
         #: (host buffer, copy-done event or None, writer ints, tokens per
         #: writer, total, the step's input tokens or None, its read extents
-        #: or None: copied when deferred); checked by :meth:`_settle`, at the latest when the
-        #: step ends (:meth:`seal`), so the copy never stalls the step.  Read
-        #: by the worker adapter after every forward (as ``pending_sums``)
+        #: or None: copied when deferred); checked by :meth:`_settle`, at the
+        #: latest when the step ends (:meth:`seal`), so the copy never
+        #: stalls the step.  Read by the worker adapter after every forward
+        #: (as ``pending_sums``)
         self.pending_guard: tuple | None = None
         #: whether a guard over a slot mapping in device memory is deferred
         #: (None: where the slot mapping is on a CUDA device)
