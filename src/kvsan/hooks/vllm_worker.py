@@ -162,9 +162,19 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
             defer_guard=None if rt.config.mode == "log" else False,
             defer_sums=None if rt.config.mode == "log" else False,
         )
-        vllm_inputs.install(dc, runner, _has_connector())
-        vllm_inputs.record_reads(dc, runner)
+        inputs = vllm_inputs.install(dc, runner, _has_connector())
+        reads = vllm_inputs.record_reads(dc, runner)
         _checkers[runner] = dc
+        # which checks this runner gets (some are off on some set-ups: a
+        # user reading a clean report must be able to tell), once
+        rt.reporter.event("kvsan.device_on", pid=rt.pid, role=rt.role,
+                          runner=type(runner).__name__, device=str(dc.device),
+                          num_blocks=dc.num_blocks, block_size=dc.block_size,
+                          checksum=dc.checksum, checksum_sample=dc.checksum_sample,
+                          poison=dc.poison_on, write_guard=True,
+                          input_tokens="recorded" if dc.fed_tokens is not None
+                          else "batch rows" if inputs else "off",
+                          read_extents=reads)
     return dc
 
 
