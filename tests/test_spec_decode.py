@@ -1,0 +1,58 @@
+"""Speculative decoding (n-gram drafts) on the real engine, in-process:
+every step writes the KV of draft tokens the sampler may reject, and the
+next step writes those slots again. That is legal (each slot belongs to
+the request writing it, in a block it produces and that is not sealed
+yet), so clean traffic must give zero reports; and a draft's write into a
+sealed block that other live requests hold must still be reported as the
+exact overwrite. One child process runs both phases
+(``tests/spec_decode_child.py``): the engine is patched before it boots."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvsan.reportfile import read_records, violations
+from kvsan.tinymodel import ensure_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+CHILD = os.path.join(os.path.dirname(__file__), "spec_decode_child.py")
+
+
+@pytest.fixture(scope="module")
+def spec_run(tmp_path_factory):
+    report = str(tmp_path_factory.mktemp("spec"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
+    env.update(KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=report + os.sep,
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    proc = subprocess.run([sys.executable, CHILD, ensure_tiny_model()], env=env,
+                          capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("KVSAN_SPEC ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    return json.loads(lines[-1][len("KVSAN_SPEC "):]), report
+
+
+def test_clean_traffic_with_draft_tokens_has_zero_violations(spec_run):
+    got, report = spec_run
+    assert got["finished"] > 0 and got["aborted"] > 0 and got["cached_tokens"] > 0
+    # drafts were written, and rejected drafts' slots written again
+    assert got["draft_steps"] > 10 and got["draft_tokens"] > 100 and got["rewritten"] > 0, got
+    assert got["clean"] == []
+    # the device checks ran on those steps: blocks sealed and verified, every token guarded
+    c = got["counters"]
+    assert c["sealed"] > 0 and c["verified"] > 0 and c["guarded_tokens"] > got["draft_tokens"], c
+    on = [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
+    assert [(r["write_guard"], r["read_extents"]) for r in on] == [(True, True)]
+
+
+def test_a_draft_written_into_a_sealed_block_others_hold_is_reported(spec_run):
+    got, report = spec_run
+    fired = got["fired"]
+    assert fired is not None, "no step had a draft token and a sealed block to redirect it into"
+    first = got["after"][0]
+    assert first == {"kind": "overwrite_shared_block", "blocks": [fired["block"]],
+                     "owners": fired["holders"], "actor": fired["writer"]}, got["after"]
+    assert [v["kind"] for v in violations(report)][0] == "overwrite_shared_block"
