@@ -80,7 +80,7 @@ def main(model: str) -> None:
     out = {"finished": res.finished, "aborted": res.aborted, "steps": res.steps,
            "cached_tokens": res.cached_tokens, **seen,
            "clean": [v.kind for v in rt.violations()],
-           "counters": {k: dc.counters[k] for k in ("sealed", "verified", "guarded_tokens")}}
+           "counters": {k: dc.counters[k] for k in ("sealed", "verified", "guarded_tokens", "rows_checked")}}
     fault["armed"] = True
     traffic.run(llm, seed=1, groups=6, per_group=5)
     out["fired"] = fault["fired"]

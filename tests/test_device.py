@@ -443,6 +443,77 @@ def test_sequence_lengths_other_than_the_written_extent_are_read_extent_mismatch
     drain(eng)
 
 
+def test_a_prefix_hit_entry_listing_another_block_is_block_table_mismatch(eng, rt, monkeypatch):
+    """B is served A's two prefix blocks as hits, but its worker row lists
+    one of C's sealed blocks at entry 0: B's attention reads C's KV there.
+    B writes nothing through that entry, so only the row check sees it:
+    reported once, with the block B reads, B as owner and actor, and the
+    entry's block on both sides."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    other = [(11 * i) % 480 + 3 for i in range(PREFIX_BLOCKS * BS)]
+    add(eng, "C", other + [4] * 3, max_tokens=12)
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=12)
+    step(eng, 4)  # both prompts computed (48 tokens a step)
+    _, c_blocks = block_ids(eng, "C")
+    _, a_blocks = block_ids(eng, "A")
+    wrong = c_blocks[0]
+    original = BlockTable.add_row
+    fired = []
+
+    def add_row(self, ids, row_idx):
+        if not fired and list(ids[:2]) == a_blocks[:2]:  # B's row: A's prefix hits
+            ids = [wrong] + list(ids[1:])
+            fired.append(row_idx)
+        return original(self, ids, row_idx)
+
+    monkeypatch.setattr(BlockTable, "add_row", add_row)
+    add(eng, "B", PREFIX + [22] * 5, max_tokens=4)
+    step(eng, 2)
+    b_full, b_blocks = block_ids(eng, "B")
+    assert fired and b_blocks[:2] == a_blocks[:2]
+    drain(eng)
+    bad = of(rt, "block_table_mismatch")
+    assert [(v.blocks, v.owners, v.actor) for v in rt.violations()] == [([wrong], [b_full], b_full)]
+    assert bad[0].details == [{"request": b_full, "entry": 0, "table": wrong,
+                               "given": a_blocks[0]}]
+    assert f"lists block {wrong} at entry 0 where it was given block {a_blocks[0]}" \
+        in bad[0].message
+
+
+def test_a_row_moved_without_its_first_entry_is_block_table_mismatch(eng, rt, monkeypatch):
+    """When a request leaves, vLLM condenses the batch: the last row moves
+    into the hole. A move that leaves the row's first entry behind has the
+    moved request read whatever the hole's entry held (the null block once
+    the leaver's row was cleared). The moved request's writes go through
+    its last entry only, so only the row check sees it."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    original = BlockTable.move_row
+    moved = []
+
+    def move_row(self, src, tgt):
+        keep = int(self.block_table.np[tgt, 0])
+        original(self, src, tgt)
+        if not moved:
+            self.block_table.np[tgt, 0] = keep
+            moved.append(keep)
+
+    add(eng, "A", PREFIX + [3] * 5, max_tokens=12)
+    add(eng, "B", [(13 * i) % 470 + 2 for i in range(40)], max_tokens=1)
+    add(eng, "C", [(17 * i) % 460 + 5 for i in range(2 * BS + 3)], max_tokens=12)
+    monkeypatch.setattr(BlockTable, "move_row", move_row)
+    step(eng, 4)  # B finishes after its first token; C's row moves into its hole
+    c_full, c_blocks = block_ids(eng, "C")
+    drain(eng)
+    assert moved, "the batch was never condensed"
+    bad = of(rt, "block_table_mismatch")
+    assert [(v.blocks, v.owners, v.actor) for v in rt.violations()] == [
+        ([moved[0]], [c_full], c_full)]
+    assert bad[0].details == [{"request": c_full, "entry": 0, "table": moved[0],
+                               "given": c_blocks[0]}]
+
+
 def test_clean_traffic_has_its_sealed_blocks_checked_for_their_inputs(eng, rt, monkeypatch):
     """The check runs on this engine (V1 runner, no async scheduling) on
     the blocks sealed with their producer still in the worker view, and

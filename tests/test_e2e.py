@@ -45,8 +45,9 @@ def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
     assert ("engine" in roles(str(tmp_path))) != in_process
     # with every worker-side check on (the V1 runner on a CPU), said once
     on = [r for r in read_records(str(tmp_path)) if r.get("event") == "kvsan.device_on"]
-    assert [(r["role"], r["write_guard"], r["input_tokens"], r["read_extents"])
-            for r in on] == [("frontend" if in_process else "worker", True, "recorded", True)]
+    assert [(r["role"], r["write_guard"], r["input_tokens"], r["read_extents"], r["block_rows"])
+            for r in on] == [("frontend" if in_process else "worker", True, "recorded", True,
+                              True)]
     assert kvsan_check(str(tmp_path)).returncode == 0
     if sys.version_info[:2] == (3, 11):  # with its C speed-ups, in every process
         assert all(r["native"] is True for r in installed(str(tmp_path)))

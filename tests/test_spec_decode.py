@@ -44,8 +44,10 @@ def test_clean_traffic_with_draft_tokens_has_zero_violations(spec_run):
     # the device checks ran on those steps: blocks sealed and verified, every token guarded
     c = got["counters"]
     assert c["sealed"] > 0 and c["verified"] > 0 and c["guarded_tokens"] > got["draft_tokens"], c
+    assert c["rows_checked"] > 0, c
     on = [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
-    assert [(r["write_guard"], r["read_extents"]) for r in on] == [(True, True)]
+    assert [(r["write_guard"], r["read_extents"], r["block_rows"]) for r in on] == [
+        (True, True, True)]
 
 
 def test_a_draft_written_into_a_sealed_block_others_hold_is_reported(spec_run):

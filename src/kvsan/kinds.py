@@ -50,6 +50,12 @@ INPUT_TOKEN_MISMATCH = "input_token_mismatch"
 #: freed block's: a use-after-free read); short of it, its newest tokens'
 #: KV is ignored
 READ_EXTENT_MISMATCH = "read_extent_mismatch"
+#: a request whose block-table row (the blocks its attention reads, in
+#: order) lists other blocks than the scheduler gave it: a prefix hit's or a
+#: moved row's entries are read but never written through, so no write
+#: check sees them, and the request reads another block's KV (another
+#: request's, a freed one's, the null block's)
+BLOCK_TABLE_MISMATCH = "block_table_mismatch"
 
 DEVICE_KINDS = (
     OVERWRITE_SHARED_BLOCK,
@@ -57,11 +63,13 @@ DEVICE_KINDS = (
     UNINITIALIZED_HIT,
     INPUT_TOKEN_MISMATCH,
     READ_EXTENT_MISMATCH,
+    BLOCK_TABLE_MISMATCH,
     REUSE_WITH_LIVE_OWNERS,
 )
 
 ALL_KINDS = ALLOCATOR_KINDS + (OVERWRITE_SHARED_BLOCK, CHECKSUM_MISMATCH, UNINITIALIZED_HIT,
-                               INPUT_TOKEN_MISMATCH, READ_EXTENT_MISMATCH)
+                               INPUT_TOKEN_MISMATCH, READ_EXTENT_MISMATCH,
+                               BLOCK_TABLE_MISMATCH)
 
 # identity audit (EngineCore)
 CACHE_KEY_MISMATCH = "cache_key_mismatch"
@@ -84,4 +92,5 @@ CLASS_OF = {
     UNINITIALIZED_HIT: CORRUPTION,
     INPUT_TOKEN_MISMATCH: CORRUPTION,
     READ_EXTENT_MISMATCH: CORRUPTION,
+    BLOCK_TABLE_MISMATCH: CORRUPTION,
 }

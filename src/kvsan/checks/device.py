@@ -278,7 +278,19 @@ class DeviceChecker:
         #: verification of a block unsealed since is compared with nothing.
         self.pending_sums: list = []
         self.poisoned: set[int] = set()
-        self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0}
+        self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0,
+                         "rows_checked": 0}
+        #: whether the engine's block-table rows are checked (:meth:`check_rows`;
+        #: set by the adapter where it can read them): then the requests
+        #: that got blocks since the last row check (``rows_due``), and the
+        #: batch's request order at that check (a request at another row
+        #: since had its row moved)
+        self.rows_on = False
+        self.rows_due: set[str] = set()
+        self._row_order: list = []
+        #: request -> its row as last reported (the same wrong row is
+        #: reported once, not at every check that finds it again)
+        self._rows_reported: dict[str, list[int]] = {}
 
     # -- reporting ------------------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, details=None, step=None):
@@ -396,6 +408,8 @@ class DeviceChecker:
             self._settle()
         me = self._rid_int.pop(rid, None)
         blocks = self.req_blocks.pop(rid, ())
+        if self._rows_reported:
+            self._rows_reported.pop(rid, None)
         for b in blocks:
             h = self.holders.get(b)
             if h is not None:
@@ -423,6 +437,8 @@ class DeviceChecker:
             self._settle()
         if not adds:  # most decode steps: no request got a block
             return [], []
+        if self.rows_on:
+            self.rows_due.update([a[0] for a in adds])
         hits, fresh, producers, unsealed = [], [], [], []
         null, holders, sealed, req_blocks = self.null, self.holders, self.sealed, self.req_blocks
         partly: list[tuple[int, int]] = []
@@ -833,6 +849,59 @@ class DeviceChecker:
             blocks, {rid}, rid,
             details=[{"request": rid, "read_extent": read, "written_extent": wrote,
                       "table_blocks": len(table)}])
+
+    def check_rows(self, batch_rids: Sequence[str | None], row: Callable[[int], list[int]]) -> None:
+        """What each request's attention reads: the engine's block-table row
+        of batch row ``i`` (``row(i)``: its block ids, in order) against the
+        blocks the scheduler gave the request, in table order (the worker
+        view).  A row's entries that the step does not write through (a
+        prefix hit's blocks, all of a moved row's but the last) are read
+        and never written, so the write guard does not see them.  Compared
+        for the requests that got blocks since the last row check and for
+        those found at another row than then (moved, or new to the batch):
+        the work follows the rows that changed, not the batch."""
+        due = self.rows_due
+        order = list(batch_rids)
+        before = self._row_order
+        if order != before:
+            n = len(before)
+            due.update([r for i, r in enumerate(order) if i >= n or before[i] != r])
+            self._row_order = order
+        if not due:
+            return
+        self.rows_due = set()
+        held = self.req_blocks
+        checked = 0
+        for i, rid in enumerate(order):
+            if rid in due:
+                mine = held.get(rid)
+                if mine is None:
+                    continue  # (not a request of the worker view)
+                checked += 1
+                got = row(i)
+                if got != mine and self._rows_reported.get(rid) != got:
+                    self._rows_reported[rid] = got
+                    self._row_differs(rid, got, mine)
+        self.counters["rows_checked"] += checked
+
+    def _row_differs(self, rid: str, got: list[int], mine: list[int]) -> None:
+        """Report request ``rid``'s block-table row ``got``, which differs
+        from the blocks it was given, ``mine``: the blocks named are those
+        its row lists instead (what it reads), or the ones it lacks."""
+        n = max(len(got), len(mine))
+        at = [i for i in range(n) if i >= len(got) or i >= len(mine) or got[i] != mine[i]]
+        read = sorted({got[i] for i in at if i < len(got)})
+        blocks = read or sorted({mine[i] for i in at})
+        i = at[0]
+        first = (f"block {got[i]} at entry {i}" if i < len(got) else f"nothing at entry {i}")
+        given = f"block {mine[i]}" if i < len(mine) else "no block"
+        self._report(
+            kinds.BLOCK_TABLE_MISMATCH,
+            f"{rid}'s block-table row lists {first} where it was given {given} "
+            f"({len(at)} of {n} entries differ): its attention reads another block's KV",
+            blocks, {rid}, rid,
+            details=[{"request": rid, "entry": j, "table": got[j] if j < len(got) else None,
+                      "given": mine[j] if j < len(mine) else None} for j in at[:8]])
 
     def verify(self, layers: Sequence[torch.Tensor], blocks: Sequence[int] | dict,
                why: str = "") -> None:

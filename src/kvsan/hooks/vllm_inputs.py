@@ -32,6 +32,12 @@ Attention reads each request's KV up to its sequence length (the runner's
 ``seq_lens``), which the runner fills next to the positions the slot
 mapping is made from: :func:`record_reads` has the device checker compare
 the two for every request of every guarded step (``read_extent_mismatch``).
+It reads the blocks its request's block-table row lists, in order; the
+entries the step does not write through (a prefix hit's blocks, a moved
+row's) no write check sees, so :func:`check_rows` has the device checker
+compare the rows that changed with the blocks the scheduler gave each
+request, after every step the worker view changed
+(``block_table_mismatch``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import hashlib
 import weakref
 from array import array
 
+import numpy as np
 import torch
 
 from ..checks.device import NOT_FED
@@ -79,6 +86,48 @@ def record_reads(dc, runner) -> bool:
         return False
     dc.record_reads(seq_lens, positions)
     return True
+
+
+def block_rows(dc, runner) -> bool:
+    """Have checker ``dc`` check the V1 runner's block-table rows of KV
+    cache group 0 (the group the worker view follows) against the blocks
+    the scheduler gave each request (:func:`check_rows`), where the rows
+    hold those block ids as they are: the table's block size is the
+    checker's (no kernel-size split) and no context parallelism spreads a
+    block over ranks.  Returns whether it will."""
+    table = _group0_table(runner)
+    if table is None or getattr(table, "block_size", None) != dc.block_size \
+            or getattr(table, "dcp_world_size", 1) != 1 \
+            or getattr(table, "pcp_world_size", 1) != 1:
+        return False
+    dc.rows_on = True
+    return True
+
+
+def _group0_table(runner):
+    """The V1 runner's ``BlockTable`` of KV cache group 0 where its rows
+    are a host numpy array, else None."""
+    batch = getattr(runner, "input_batch", None)
+    if not hasattr(batch, "token_ids_cpu") or not hasattr(type(runner), "_prepare_inputs"):
+        return None  # not the V1 runner whose tables these are
+    try:
+        table = batch.block_table.block_tables[0]
+        rows, per = table.block_table.np, table.num_blocks_per_row
+    except Exception:  # noqa: BLE001 - not the tables this version of vLLM keeps
+        return None
+    if not (isinstance(rows, np.ndarray) and rows.ndim == 2 and isinstance(per, np.ndarray)):
+        return None
+    return table
+
+
+def check_rows(runner, dc) -> None:
+    """After a step's forward (its rows as attention read them): the
+    rows of the requests that got blocks since the last check, or that
+    moved (:meth:`DeviceChecker.check_rows`)."""
+    batch = runner.input_batch
+    table = batch.block_table.block_tables[0]
+    rows, per = table.block_table.np, table.num_blocks_per_row
+    dc.check_rows(batch.req_ids[:batch.num_reqs], lambda i: rows[i, :per[i]].tolist())
 
 
 def _host_ints(t):

@@ -164,6 +164,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
         )
         inputs = vllm_inputs.install(dc, runner, _has_connector())
         reads = vllm_inputs.record_reads(dc, runner)
+        rows = vllm_inputs.block_rows(dc, runner)
         _checkers[runner] = dc
         # which checks this runner gets (some are off on some set-ups: a
         # user reading a clean report must be able to tell), once
@@ -174,7 +175,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
                           poison=dc.poison_on, write_guard=True,
                           input_tokens="recorded" if dc.fed_tokens is not None
                           else "batch rows" if inputs else "off",
-                          read_extents=reads)
+                          read_extents=reads, block_rows=rows)
     return dc
 
 
@@ -318,6 +319,8 @@ def _execute_model(wrapped, instance, args, kwargs):
 
 def _step_ends(rt, runner, dc: DeviceChecker, layers, ret) -> None:
     """After vLLM's ``execute_model`` of a step begun by kvsan."""
+    if dc.rows_on:  # the rows as this step's attention read them
+        _dguard(rt, "execute_model.rows", vllm_inputs.check_rows, runner, dc)
     if ret is None:
         # vLLM 0.32 finishes the step in sample_tokens, where a drafter
         # (EAGLE, MTP, a draft model) writes its own layers' KV for this
