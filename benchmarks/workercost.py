@@ -34,8 +34,9 @@ from .common import ENV, native_hooks, table
 #: in Python: the hooks' Python routes and what they share
 WORKER_FUNCTIONS = ("_begin", "_step_ends", "_seal_left", "_guard_step", "_native_guard",
                     "_native_step_ends", "_native_scrub", "_hand_to_native", "_layers")
-#: the input-token check of sealed blocks (``kvsan.hooks.vllm_inputs``)
-INPUT_FUNCTIONS = ("_check_sealed",)
+#: the input-token check of sealed blocks and the block-table row check
+#: (``kvsan.hooks.vllm_inputs``)
+INPUT_FUNCTIONS = ("_check_sealed", "check_rows")
 #: the device checker's methods (``kvsan.checks.device.DeviceChecker``)
 CHECKER_METHODS = ("add_step", "drop_requests", "verify_step", "verify", "_sums_now", "checksums",
                    "seal", "will_seal", "guard")

@@ -850,38 +850,49 @@ class DeviceChecker:
             details=[{"request": rid, "read_extent": read, "written_extent": wrote,
                       "table_blocks": len(table)}])
 
-    def check_rows(self, batch_rids: Sequence[str | None], row: Callable[[int], list[int]]) -> None:
-        """What each request's attention reads: the engine's block-table row
-        of batch row ``i`` (``row(i)``: its block ids, in order) against the
-        blocks the scheduler gave the request, in table order (the worker
-        view).  A row's entries that the step does not write through (a
-        prefix hit's blocks, all of a moved row's but the last) are read
-        and never written, so the write guard does not see them.  Compared
-        for the requests that got blocks since the last row check and for
-        those found at another row than then (moved, or new to the batch):
-        the work follows the rows that changed, not the batch."""
+    def check_rows(self, batch_rids: list, rows, width: int, counts) -> None:
+        """What each request's attention reads: its row of the engine's
+        block table against the blocks the scheduler gave the request, in
+        table order (the worker view).  ``rows``: the table's block ids,
+        row-major, ``width`` entries a row; batch row ``i`` uses its first
+        ``counts[i]`` (sequences whose slices have ``tolist``: memoryviews,
+        numpy arrays).  A row's entries that the step does not write
+        through (a prefix hit's blocks, all of a moved row's but the last)
+        are read and never written, so the write guard does not see them.
+        Compared for the requests that got blocks since the last row check
+        and for those found at another row than then (moved, or new to the
+        batch): the work follows the rows that changed, not the batch.
+        ``batch_rids``: a list the caller does not keep (it is kept as the
+        order of this check)."""
         due = self.rows_due
-        order = list(batch_rids)
         before = self._row_order
-        if order != before:
+        if batch_rids != before:
             n = len(before)
-            due.update([r for i, r in enumerate(order) if i >= n or before[i] != r])
-            self._row_order = order
+            due.update([r for i, r in enumerate(batch_rids) if i >= n or before[i] != r])
+            self._row_order = batch_rids
         if not due:
             return
-        self.rows_due = set()
         held = self.req_blocks
+        later = []
         checked = 0
-        for i, rid in enumerate(order):
-            if rid in due:
-                mine = held.get(rid)
-                if mine is None:
-                    continue  # (not a request of the worker view)
-                checked += 1
-                got = row(i)
-                if got != mine and self._rows_reported.get(rid) != got:
+        for rid in due:
+            mine = held.get(rid)
+            if mine is None:
+                continue  # (gone, or not a request of the worker view)
+            try:
+                i = batch_rids.index(rid)
+            except ValueError:
+                later.append(rid)  # not in this step's batch: at the next check
+                continue
+            checked += 1
+            k = len(mine)
+            start = i * width
+            if counts[i] != k or rows[start:start + k].tolist() != mine:
+                got = rows[start:start + int(counts[i])].tolist()
+                if self._rows_reported.get(rid) != got:
                     self._rows_reported[rid] = got
                     self._row_differs(rid, got, mine)
+        self.rows_due = set(later)
         self.counters["rows_checked"] += checked
 
     def _row_differs(self, rid: str, got: list[int], mine: list[int]) -> None:

@@ -120,14 +120,31 @@ def _group0_table(runner):
     return table
 
 
+#: [input batch, its group-0 rows as a flat memoryview, their width, the
+#: rows' counts as a memoryview]: made once per input batch (the arrays
+#: are the batch's own for its life), as between two forward passes each
+#: attribute read and numpy slice is a cache miss
+_ROWS: list = [None, None, 0, None]
+
+
 def check_rows(runner, dc) -> None:
     """After a step's forward (its rows as attention read them): the
     rows of the requests that got blocks since the last check, or that
     moved (:meth:`DeviceChecker.check_rows`)."""
     batch = runner.input_batch
-    table = batch.block_table.block_tables[0]
-    rows, per = table.block_table.np, table.num_blocks_per_row
-    dc.check_rows(batch.req_ids[:batch.num_reqs], lambda i: rows[i, :per[i]].tolist())
+    if _ROWS[0] is not batch:
+        table = batch.block_table.block_tables[0]
+        rows = table.block_table.np
+        flat = memoryview(np.ascontiguousarray(rows)).cast("B").cast(rows.dtype.char)
+        if not np.shares_memory(rows, np.asarray(flat)):
+            return  # (not a C-contiguous array: a copy would be checked)
+        _ROWS[:] = [batch, flat, rows.shape[1], memoryview(table.num_blocks_per_row)]
+    dc.check_rows(batch.req_ids[:batch.num_reqs], _ROWS[1], _ROWS[2], _ROWS[3])
+
+
+def forget_rows() -> None:
+    """Drop the rows' views (at shutdown: they hold the input batch)."""
+    _ROWS[:] = [None, None, 0, None]
 
 
 def _host_ints(t):

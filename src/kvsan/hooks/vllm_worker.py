@@ -504,6 +504,7 @@ def forget_runner(runner=None) -> None:
             last[:] = [None, None]
     if runner is None:
         _unsealed.clear()
+    vllm_inputs.forget_rows()
     if native.DEVICEFAST is not None:  # the buffers guard_step holds between steps
         native.DEVICEFAST.release_held()
 
