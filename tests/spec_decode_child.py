@@ -10,12 +10,37 @@ kvsan checked, how many draft tokens were written, and the redirected
 write (block, writer, the block's holders) with the reports after it.
 
     KVSAN=1 VLLM_ENABLE_V1_MULTIPROCESSING=0 python tests/spec_decode_child.py MODEL
+
+With ``clean`` after the model (and vLLM's default multi-process mode):
+the clean traffic only, nothing patched (the engine and its worker run in
+another process); the line then gives the traffic's counts.
 """
 
 import json
 import sys
 
 MARK = "KVSAN_SPEC "
+
+
+def engine_kwargs(model: str) -> dict:
+    from kvsan import traffic
+
+    kw = traffic.engine_kwargs(model)
+    kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    return kw
+
+
+def clean(model: str) -> None:
+    """The clean traffic in vLLM's default multi-process mode."""
+    from vllm import LLM
+
+    from kvsan import traffic
+
+    llm = LLM(**engine_kwargs(model))
+    res = traffic.run(llm, seed=0, groups=6, per_group=5)
+    print(MARK + json.dumps({"finished": res.finished, "aborted": res.aborted,
+                             "steps": res.steps, "cached_tokens": res.cached_tokens}), flush=True)
 
 
 def main(model: str) -> None:
@@ -70,10 +95,7 @@ def main(model: str) -> None:
         return ret
 
     GPUModelRunner._prepare_inputs = prepare_inputs
-    kw = traffic.engine_kwargs(model)
-    kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
-                                "prompt_lookup_max": 3, "prompt_lookup_min": 1}
-    llm = LLM(**kw)
+    llm = LLM(**engine_kwargs(model))
     rt = current_runtime()
     res = traffic.run(llm, seed=0, groups=6, per_group=5)
     (dc,) = list(vllm_worker._checkers.values())
@@ -90,4 +112,7 @@ def main(model: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["clean"]:
+        clean(sys.argv[1])
+    else:
+        main(sys.argv[1])
