@@ -58,7 +58,9 @@ def _slots(rng, dc_view: dict, batch: list, counts: list, fault: bool) -> torch.
     return t
 
 
-def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
+def _run(seed: int, path: str, monkeypatch, device: str = "cpu", copied_reads: bool = False):
+    """``copied_reads``: the read extents as tensors copied back at each
+    guard (a GPU runner's, which stay on the device), not host arrays."""
     rng = random.Random(seed)
     found: list = []
     dc = _make(path, found, monkeypatch, device)
@@ -79,7 +81,10 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu"):
     # what the engine's attention reads, refilled every step (every path
     # reads them on the host)
     seq_lens, positions = np.zeros(8, dtype=np.int32), np.zeros(64, dtype=np.int64)
-    dc.record_reads(seq_lens, positions)
+    if copied_reads:  # (the same memory: the engine's refill below reaches them)
+        dc.record_reads(torch.from_numpy(seq_lens), torch.from_numpy(positions), copied=True)
+    else:
+        dc.record_reads(seq_lens, positions)
     extents = random.Random(seed + 1000)
     for step in range(60):
         now[0] = step
@@ -178,6 +183,22 @@ def test_every_path_agrees_under_faults(seed, monkeypatch):
     assert (fed != device.NOT_FED).sum() > 20
     for path in ("c", "deferred"):
         assert runs[path][0].fed_tokens.tolist() == fed.tolist(), path
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("path", ["deferred", "torch", "numpy"])
+def test_read_extents_copied_from_a_device_agree_with_the_host_arrays(seed, path, monkeypatch):
+    """A GPU runner's sequence lengths and positions stay on the device:
+    the checker copies them back with the step's slot mapping (deferred:
+    behind the queued work, checked at the step's end, after the engine
+    has refilled its arrays; not deferred: read at once).  The same
+    reports and tables as the host arrays read in place."""
+    ref_dc, ref_found = _run(seed, path, monkeypatch)
+    dc, found = _run(seed, path, monkeypatch, copied_reads=True)
+    assert dc._reads is None and dc._reads_dev is not None
+    assert "read_extent_mismatch" in {v.kind for v in ref_found}
+    assert _violations(found) == _violations(ref_found)
+    assert _state(dc) == _state(ref_dc)
 
 
 def _decode_run(seed: int, one_call: bool, monkeypatch):
@@ -746,3 +767,35 @@ def test_a_request_sent_again_mid_block_keeps_its_written_slots():
     dc.note_hits(hits)
     dc.guard(torch.arange(4 * BS, 4 * BS + 1), ["t"], [1])
     assert found == []
+
+
+def test_a_gpu_runners_read_extents_are_copied_and_a_cpu_runners_read_in_place():
+    """The adapter hands the checker the V1 runner's ``seq_lens`` and
+    ``positions``: numpy views where they are in host memory (read in
+    place, in C in the guard's common step), the tensors themselves where
+    they are on a device (copied back with the slot mapping); neither
+    where they are not int tensors."""
+    from types import SimpleNamespace
+
+    from kvsan.hooks import vllm_inputs
+
+    class Runner:  # (the V1 runner as the adapter tells it: _prepare_inputs, token rows)
+        def _prepare_inputs(self):
+            pass
+
+    runner = Runner()
+    runner.input_batch = SimpleNamespace(token_ids_cpu=None)
+    runner.seq_lens = torch.zeros(8, dtype=torch.int32, device="meta")  # (not host memory)
+    runner.positions = torch.zeros(64, dtype=torch.int64, device="meta")
+    dc = DeviceChecker(NB, BS, emit=[].append)
+    assert vllm_inputs.record_reads(dc, runner)
+    assert dc._reads is None
+    assert dc._reads_dev[0] is runner.seq_lens and dc._reads_dev[1] is runner.positions
+    runner.seq_lens, runner.positions = torch.zeros(8, dtype=torch.int32), torch.zeros(64)
+    dc = DeviceChecker(NB, BS, emit=[].append)
+    assert not vllm_inputs.record_reads(dc, runner)  # float positions
+    assert dc._reads is None and dc._reads_dev is None
+    runner.positions = torch.zeros(64, dtype=torch.int64)
+    assert vllm_inputs.record_reads(dc, runner)
+    assert dc._reads_dev is None and all(isinstance(a, np.ndarray) for a in dc._reads)
+    assert np.shares_memory(dc._reads[1], runner.positions.numpy())

@@ -178,8 +178,11 @@ class DeviceChecker:
         #: per-step array of input tokens, the per-slot table), or None
         self._fed: tuple | None = None
         #: the read-extent record (:meth:`record_reads`): (the engine's
-        #: per-step sequence lengths, its per-step positions), or None
+        #: per-step sequence lengths, its per-step positions) in host
+        #: memory, or None; ``_reads_dev`` the same as tensors (on a
+        #: device: copied back with the step's slot mapping)
         self._reads: tuple | None = None
+        self._reads_dev: tuple | None = None
         # worker view
         self.req_blocks: dict[str, list[int]] = {}
         self.holders: dict[int, set[str]] = {}
@@ -794,7 +797,7 @@ class DeviceChecker:
         table[slots[ok]] = tokens[ok]
 
     # -- read extents ---------------------------------------------------------
-    def record_reads(self, seq_lens, positions) -> None:
+    def record_reads(self, seq_lens, positions, copied: bool | None = None) -> None:
         """From now on, check at every guarded step what attention reads of
         each request's KV: ``seq_lens`` (per batch row) and ``positions``
         (per token, in the slot mapping's order), 1-d int arrays in host
@@ -805,8 +808,21 @@ class DeviceChecker:
         never wrote (stale KV, a freed block's: a use-after-free read);
         short of it, its newest tokens' KV is left out
         (``read_extent_mismatch``).  The arrays are read on the host
-        whichever device the tables are on."""
-        self._reads = (seq_lens, positions)
+        whichever device the tables are on.  Torch tensors on a device
+        (where the engine computes them) are copied into host memory with
+        the step's slot mapping: behind the queued work when the guard is
+        deferred, at once (a host sync) when it is not; torch tensors in
+        host memory are read in place.  ``copied``: True copies tensors in
+        host memory too (the device's path, run on a CPU)."""
+        tensors = [t for t in (seq_lens, positions) if isinstance(t, torch.Tensor)]
+        if copied is None:
+            copied = any(t.device.type != "cpu" for t in tensors)
+        if copied:
+            self._reads, self._reads_dev = None, (seq_lens, positions)
+        else:
+            self._reads = tuple(t.numpy() if isinstance(t, torch.Tensor) else t
+                                for t in (seq_lens, positions))
+            self._reads_dev = None
 
     def _bad_reads(self, ids: list[int], counts: list[int], total: int,
                    reads=None) -> list[tuple[int, int, int]]:
@@ -1102,9 +1118,20 @@ class DeviceChecker:
         reads = self._reads
         if reads is not None and ids is not None:
             reads = (np.array(reads[0][:len(ids)]), np.array(reads[1][:total]))
+        elif self._reads_dev is not None and ids is not None:
+            # queued before the slot mapping's copy, whose event marks them done
+            reads = tuple(self._copy_ints(t, n, key) for t, n, key in
+                          zip(self._reads_dev, (len(ids), total), ("seq_lens", "positions")))
         self.pending_guard = (buf, _copy_back(buf, slot_mapping[:total]), ids, counts, total,
                               fed, reads)
         return True
+
+    def _copy_ints(self, t: torch.Tensor, n: int, key: str) -> torch.Tensor:
+        """The first ``n`` values of device tensor ``t``, copied into a host
+        buffer of its own (``key``) behind the work queued on the device."""
+        buf = self._slot_buf(t.dtype, n, key)
+        buf.copy_(t[:n], non_blocking=t.is_cuda)
+        return buf
 
     def count_writes(self, slot_mapping: torch.Tensor, total: int) -> None:
         """A step's writes whose writers are not known (V2's adaptive
@@ -1131,15 +1158,16 @@ class DeviceChecker:
         self.fill.index_add_(0, blk.to(torch.long), valid.to(torch.int32))
         return valid, blk
 
-    def _slot_buf(self, dtype: torch.dtype, total: int) -> torch.Tensor:
+    def _slot_buf(self, dtype: torch.dtype, total: int, key: str = "slots") -> torch.Tensor:
         """A host buffer of at least ``total`` slots for a deferred guard
         (pinned where CUDA is there: an asynchronous copy needs it), grown
         by doubling and reused: the previous deferred guard is checked
-        before the next copy is queued."""
-        buf = self._slot_bufs.get(dtype)
+        before the next copy is queued.  ``key``: which of the step's
+        arrays it holds (the slot mapping, or a read-extent array)."""
+        buf = self._slot_bufs.get((key, dtype))
         if buf is None or len(buf) < total:
             n = max(total, 2 * len(buf) if buf is not None else 1024)
-            buf = self._slot_bufs[dtype] = torch.empty(
+            buf = self._slot_bufs[(key, dtype)] = torch.empty(
                 n, dtype=dtype, pin_memory=torch.cuda.is_available())
         return buf[:total]
 
@@ -1179,7 +1207,11 @@ class DeviceChecker:
         if self._fed is not None:
             self._record_fed(host if host is not None else slot_mapping[:total].cpu().numpy(),
                              total, fed)
-        if self._reads is not None:
+        if reads is None and self._reads is None and self._reads_dev is not None:
+            # on a device, the guard not deferred (raise / abort): read now
+            seq_lens, positions = self._reads_dev
+            reads = (seq_lens[:len(ids)].cpu().numpy(), positions[:total].cpu().numpy())
+        if reads is not None or self._reads is not None:
             bad = list(bad) + self._bad_reads(ids, counts, total, reads)
         self.guarded(bad)
 

@@ -74,18 +74,22 @@ def record_reads(dc, runner) -> bool:
     reads of each request's KV (:meth:`DeviceChecker.record_reads`): the
     V1 runner's per-request ``seq_lens`` against the ``positions`` of the
     tokens it wrote, both filled in ``_prepare_inputs`` before the guard
-    runs.  Only where both are in host memory (vLLM's CPU backend); on a
-    GPU they stay on the device (reading them would stall the step).
-    Returns whether it will."""
+    runs.  In host memory (vLLM's CPU backend) they are read in place; on
+    a GPU, where the runner computes them on the device, as tensors the
+    checker copies back with the step's slot mapping (behind the queued
+    work when the guard is deferred).  Returns whether it will."""
     batch = getattr(runner, "input_batch", None)
     if not hasattr(batch, "token_ids_cpu") or not hasattr(type(runner), "_prepare_inputs"):
         return False  # not the V1 runner whose buffers these are
-    seq_lens, positions = (_host_ints(getattr(runner, name, None))
-                           for name in ("seq_lens", "positions"))
-    if seq_lens is None or positions is None:
-        return False
-    dc.record_reads(seq_lens, positions)
-    return True
+    tensors = [getattr(runner, name, None) for name in ("seq_lens", "positions")]
+    host = [_host_ints(t) for t in tensors]
+    if all(h is not None for h in host):
+        dc.record_reads(*host)
+        return True
+    if all(_device_ints(t) for t in tensors):
+        dc.record_reads(*tensors)
+        return True
+    return False
 
 
 def block_rows(dc, runner) -> bool:
@@ -157,6 +161,15 @@ def _host_ints(t):
     except Exception:  # noqa: BLE001 - not the buffer this version of vLLM keeps
         return None
     return None
+
+
+def _device_ints(t) -> bool:
+    """Whether ``t`` is a 1-d int32 / int64 tensor on a device."""
+    try:
+        return isinstance(t, torch.Tensor) and t.dim() == 1 and t.device.type != "cpu" \
+            and t.dtype in (torch.int32, torch.int64)
+    except Exception:  # noqa: BLE001 - not the buffer this version of vLLM keeps
+        return False
 
 
 def input_tokens(runner):
