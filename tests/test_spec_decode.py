@@ -37,6 +37,11 @@ def run_child(report: str, *args: str, in_process: bool = True) -> dict:
     return json.loads(lines[-1][len("KVSAN_SPEC "):])
 
 
+def device_on(report: str) -> list[dict]:
+    """The report's ``kvsan.device_on`` records: which checks each runner got."""
+    return [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
+
+
 @pytest.fixture(scope="module")
 def spec_run(tmp_path_factory):
     report = str(tmp_path_factory.mktemp("spec"))
@@ -53,9 +58,8 @@ def test_clean_traffic_with_draft_tokens_has_zero_violations(spec_run):
     c = got["counters"]
     assert c["sealed"] > 0 and c["verified"] > 0 and c["guarded_tokens"] > got["draft_tokens"], c
     assert c["rows_checked"] > 0, c
-    on = [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
-    assert [(r["write_guard"], r["read_extents"], r["block_rows"]) for r in on] == [
-        (True, True, True)]
+    assert [(r["write_guard"], r["read_extents"], r["block_rows"])
+            for r in device_on(report)] == [(True, True, True)]
 
 
 def test_a_draft_written_into_a_sealed_block_others_hold_is_reported(spec_run):
@@ -76,6 +80,5 @@ def test_clean_traffic_with_draft_tokens_in_multiprocess_mode(tmp_path):
     # the drafts were accepted: the same traffic takes 174 steps without them
     assert got["finished"] > 0 and got["aborted"] > 0 and got["steps"] < 150, got
     assert violations(str(tmp_path)) == []
-    on = [r for r in read_records(str(tmp_path)) if r.get("event") == "kvsan.device_on"]
-    assert [(r["role"], r["write_guard"], r["read_extents"], r["block_rows"]) for r in on] == [
-        ("worker", True, True, True)]
+    assert [(r["role"], r["write_guard"], r["read_extents"], r["block_rows"])
+            for r in device_on(str(tmp_path))] == [("worker", True, True, True)]

@@ -78,18 +78,17 @@ def record_reads(dc, runner) -> bool:
     a GPU, where the runner computes them on the device, as tensors the
     checker copies back with the step's slot mapping (behind the queued
     work when the guard is deferred).  Returns whether it will."""
-    batch = getattr(runner, "input_batch", None)
-    if not hasattr(batch, "token_ids_cpu") or not hasattr(type(runner), "_prepare_inputs"):
+    if _v1_batch(runner) is None:
         return False  # not the V1 runner whose buffers these are
     tensors = [getattr(runner, name, None) for name in ("seq_lens", "positions")]
-    host = [_host_ints(t) for t in tensors]
-    if all(h is not None for h in host):
-        dc.record_reads(*host)
-        return True
-    if all(_device_ints(t) for t in tensors):
+    where = {_int_vector(t) for t in tensors}
+    if where == {"cpu"}:
+        dc.record_reads(*(t.numpy() for t in tensors))
+    elif where == {"device"}:
         dc.record_reads(*tensors)
-        return True
-    return False
+    else:
+        return False
+    return True
 
 
 def block_rows(dc, runner) -> bool:
@@ -111,8 +110,8 @@ def block_rows(dc, runner) -> bool:
 def _group0_table(runner):
     """The V1 runner's ``BlockTable`` of KV cache group 0 where its rows
     are a host numpy array, else None."""
-    batch = getattr(runner, "input_batch", None)
-    if not hasattr(batch, "token_ids_cpu") or not hasattr(type(runner), "_prepare_inputs"):
+    batch = _v1_batch(runner)
+    if batch is None:
         return None  # not the V1 runner whose tables these are
     try:
         table = batch.block_table.block_tables[0]
@@ -151,32 +150,33 @@ def forget_rows() -> None:
     _ROWS[:] = [None, None, 0, None]
 
 
-def _host_ints(t):
-    """A numpy view of ``t`` where it is a 1-d int32 / int64 tensor
-    in host memory, else None."""
+def _v1_batch(runner):
+    """The runner's input batch where the runner is vLLM's V1 runner (its
+    ``_prepare_inputs``, the batch's host token rows), else None."""
+    batch = getattr(runner, "input_batch", None)
+    if not hasattr(batch, "token_ids_cpu") or not hasattr(type(runner), "_prepare_inputs"):
+        return None
+    return batch
+
+
+def _int_vector(t) -> str | None:
+    """Where ``t`` is, if it is a 1-d int32 / int64 tensor: "cpu" (host
+    memory) or "device"; else None."""
     try:
-        if isinstance(t, torch.Tensor) and t.dim() == 1 and t.device.type == "cpu" \
+        if isinstance(t, torch.Tensor) and t.dim() == 1 \
                 and t.dtype in (torch.int32, torch.int64):
-            return t.numpy()
+            return "cpu" if t.device.type == "cpu" else "device"
     except Exception:  # noqa: BLE001 - not the buffer this version of vLLM keeps
         return None
     return None
-
-
-def _device_ints(t) -> bool:
-    """Whether ``t`` is a 1-d int32 / int64 tensor on a device."""
-    try:
-        return isinstance(t, torch.Tensor) and t.dim() == 1 and t.device.type != "cpu" \
-            and t.dtype in (torch.int32, torch.int64)
-    except Exception:  # noqa: BLE001 - not the buffer this version of vLLM keeps
-        return False
 
 
 def input_tokens(runner):
     """A numpy view of the V1 runner's host buffer of the step's input
     tokens (``input_ids.cpu``: what is copied to the device without async
     scheduling; on a CPU the same tensor the model reads), or None."""
-    return _host_ints(getattr(getattr(runner, "input_ids", None), "cpu", None))
+    t = getattr(getattr(runner, "input_ids", None), "cpu", None)
+    return t.numpy() if _int_vector(t) == "cpu" else None
 
 
 def _check_sealed(runner_ref, dc, sealed) -> None:
