@@ -192,6 +192,56 @@ def test_write_into_a_sealed_shared_block_in_a_quiet_step(eng, rt):
     drain(eng)
 
 
+def test_a_row_added_back_in_a_quiet_step_is_checked(eng, rt, monkeypatch):
+    """A running request the scheduler leaves out of a step (its token
+    budget spent) leaves the runner's batch, and is added back from the
+    runner's state when it is scheduled again: the rows change in steps
+    that change nothing in the worker view (no new, finished or resumed
+    request, no new block), which the STEP hook begins in C.  A row added
+    back whose first entry lists another request's block has the request
+    read that block's KV; it writes through its last entry only and ends
+    before it needs a new block, so only a row check in that quiet step
+    sees it."""
+    from vllm.v1.worker.block_table import BlockTable
+
+    sched = eng.llm_engine.engine_core.engine_core.scheduler
+    budget = sched.max_num_scheduled_tokens
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=20)
+    add(eng, "C", [(17 * i) % 460 + 5 for i in range(2 * BS + 3)], max_tokens=12)
+    step(eng, 3)  # both prefilled, both decoding
+    a_full, a_blocks = block_ids(eng, "A")
+    c_full, c_blocks = block_ids(eng, "C")
+    assert len(a_blocks) == len(c_blocks) == 3
+    batch = mine().input_batch
+    assert batch.req_ids[:batch.num_reqs] == [a_full, c_full]
+    begun = hook("execute_model").calls
+    sched.max_num_scheduled_tokens = 1  # one token, A's: C is left out
+    try:
+        step(eng)
+    finally:
+        sched.max_num_scheduled_tokens = budget
+    assert batch.req_ids[:batch.num_reqs] == [a_full]
+    original = BlockTable.add_row
+    added = []
+
+    def add_row(self, block_ids, row_idx):
+        original(self, block_ids, row_idx)
+        if list(block_ids) == c_blocks and not added:
+            self.block_table.np[row_idx, 0] = a_blocks[0]
+            added.append(row_idx)
+
+    monkeypatch.setattr(BlockTable, "add_row", add_row)
+    step(eng)  # C added back, its row's first entry A's block
+    assert added and hook("execute_model").calls == begun + 2  # both steps begun in C
+    assert block_ids(eng, "C")[1] == c_blocks
+    drain(eng)
+    bad = of(rt, "block_table_mismatch")
+    assert [(v.kind, v.blocks, v.owners, v.actor) for v in rt.violations()] == [
+        ("block_table_mismatch", [a_blocks[0]], [c_full], c_full)]
+    assert bad[0].details == [{"request": c_full, "entry": 0, "table": a_blocks[0],
+                               "given": c_blocks[0]}]
+
+
 def test_sampled_checksums_in_quiet_steps_find_a_scribble(eng, rt):
     """Quiet steps keep the sampling tick: the sealed block a stray write
     changed is re-verified within one sweep of decode steps."""

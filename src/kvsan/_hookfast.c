@@ -99,6 +99,7 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_will_seal, *s_pending_release, *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__req_ids, *s_req_id_to_index, *s__fast,
+    *s_rows_on, *s__row_order,
     *s_guard_step, *s_guard_where,
     *s_idle_audited;
 
@@ -511,11 +512,12 @@ context(PyObject *rt, PyObject **site, PyObject **owner)
  * forward passes each read through the instance dict cost about 0.4 µs
  * (caches cold). */
 enum { D_STEP_HITS, D_PENDING_SUMS, D_POISON_ON, D_CHECKSUM, D_SUMS, D_TICK, D_PENDING_SEAL,
-       D_PENDING_GUARD, D_FAST, N_DC };
+       D_PENDING_GUARD, D_FAST, D_ROWS_ON, D_ROW_ORDER, N_DC };
 static SlotTable sr_dc[N_DC];
 static PyObject **const dc_names[N_DC] = {&s_step_hits, &s_pending_sums, &s_poison_on,
                                           &s_checksum,  &s_sums,         &s__tick,
-                                          &s_pending_seal, &s_pending_guard, &s__fast};
+                                          &s_pending_seal, &s_pending_guard, &s__fast,
+                                          &s_rows_on,   &s__row_order};
 
 /* new reference to the checker's attribute ``i``, or NULL with an exception */
 static inline PyObject *
@@ -1745,6 +1747,56 @@ done:
     return r;
 }
 
+static int batch_reqs(PyObject *batch, PyObject **n, PyObject **rids);
+
+/* After a quiet step's forward: whether the runner's batch holds other
+ * requests, or the same in another order, than at the checker's last
+ * block-table row check (``_row_order``), where the checker checks rows
+ * (``rows_on``).  A quiet step changes nothing in the worker view, but the
+ * runner still moves rows on its own: a running request the scheduler
+ * left out of the step (its token budget spent) leaves the batch, the
+ * rows after it are condensed, and it is added back from the runner's
+ * state when it is scheduled again.  Those rows go to the Python half's
+ * row check (DeviceChecker.check_rows), as every step the Python hook
+ * begins does.  1 moved, 0 not, -1 error. */
+static int
+rows_moved(PyObject *dc, PyObject *runner)
+{
+    int r = dc_truth(dc, D_ROWS_ON);
+    if (r <= 0) {
+        return r;
+    }
+    r = -1;
+    PyObject *order = dc_get(dc, D_ROW_ORDER), *batch = NULL, *n = NULL, *rids = NULL;
+    if (order == NULL || (batch = PyObject_GetAttr(runner, s_input_batch)) == NULL
+        || batch_reqs(batch, &n, &rids) < 0) {
+        goto done;
+    }
+    Py_ssize_t k = PyLong_AsSsize_t(n);
+    if (k == -1 && PyErr_Occurred()) {
+        goto done;
+    }
+    if (!PyList_Check(order) || !PyList_Check(rids) || PyList_GET_SIZE(rids) < k
+        || PyList_GET_SIZE(order) != k) {
+        r = 1; /* (the Python half reads them as they are) */
+        goto done;
+    }
+    r = 0;
+    for (Py_ssize_t i = 0; i < k && r == 0; i++) {
+        PyObject *a = PyList_GET_ITEM(rids, i), *b = PyList_GET_ITEM(order, i);
+        if (a != b) {
+            int eq = PyObject_RichCompareBool(a, b, Py_EQ);
+            r = eq < 0 ? -1 : !eq;
+        }
+    }
+done:
+    Py_XDECREF(order);
+    Py_XDECREF(batch);
+    Py_XDECREF(n);
+    Py_XDECREF(rids);
+    return r;
+}
+
 /* K_STEP: the V1 runner's ``execute_model(scheduler_output,
  * intermediate_tensors=None)``.  The runner's previous step, if it was
  * left unsealed, is sealed first (``seal_left(rt, runner)``, as the Python
@@ -1752,7 +1804,8 @@ done:
  * begun here, without the Python hook's frames, its sampled checksums (when
  * a batch is due) through ``scrub(rt, runner, checker)``; vLLM's method
  * runs; what follows it (a seal, a deferred guard) goes to ``h->post(rt,
- * runner, checker, result)`` when the checker has any.  Any other step --
+ * runner, checker, result)`` when the checker has any, or when the
+ * runner moved its batch's rows (rows_moved).  Any other step --
  * a busy one, the runner's first, another runtime, a failure of ours --
  * goes to the Python hook whole, before vLLM's method runs.  ``h->state``
  * is set by the Python hook once it began a step: (weak ref to the
@@ -1835,6 +1888,9 @@ step_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
             PyObject *g = dc_get(dc, D_PENDING_GUARD);
             rest = g == NULL ? -1 : g != Py_None;
             Py_XDECREF(g);
+        }
+        if (rest == 0) {
+            rest = rows_moved(dc, runner);
         }
         if (rest < 0) {
             PyErr_Clear(); /* the Python half reads them again */
@@ -2645,6 +2701,8 @@ PyInit__hookfast(void)
     INTERN(s__req_ids, "_req_ids");
     INTERN(s_req_id_to_index, "req_id_to_index");
     INTERN(s__fast, "_fast");
+    INTERN(s_rows_on, "rows_on");
+    INTERN(s__row_order, "_row_order");
     INTERN(s_guard_step, "guard_step");
     INTERN(s_guard_where, "_prepare_inputs.guard");
     if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL

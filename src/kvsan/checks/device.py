@@ -138,7 +138,7 @@ class DeviceChecker:
     __slots__ = ("pending_guard", "_may_defer", "step_hits", "_last_batch", "_slots_view",
                  "_np", "block_size", "counters", "_rid_int", "_fast", "pending_sums",
                  "_fed", "_reads", "poison_on", "checksum", "sums", "_tick", "pending_seal",
-                 "__dict__", "__weakref__")
+                 "rows_on", "_row_order", "__dict__", "__weakref__")
 
     def __init__(
         self,

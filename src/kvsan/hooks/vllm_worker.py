@@ -342,7 +342,9 @@ def _step_ends(rt, runner, dc: DeviceChecker, layers, ret) -> None:
 def _native_step_ends(rt, runner, dc: DeviceChecker, ret) -> None:
     """The native STEP hook's second half (``kvsan._hookfast``), for a
     quiet step it began whose checker has something left after vLLM's
-    method (a seal, a deferred guard): the cache tensors are read here."""
+    method (a seal, a deferred guard), or whose batch rows the runner
+    moved (a request left out of the step, or added back): the cache
+    tensors are read here."""
     layers = _dguard(rt, "execute_model.layers", _layers, runner)
     if layers is not None:
         _step_ends(rt, runner, dc, layers, ret)
