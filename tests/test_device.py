@@ -402,6 +402,40 @@ def test_a_gather_that_leaves_stale_input_ids_is_input_token_mismatch(eng, rt, m
     drain(eng)
 
 
+def test_a_worker_sent_other_prompt_tokens_is_input_token_mismatch(eng, rt, monkeypatch):
+    """The worker's copy of a new request (``NewRequestData``, what the
+    scheduler sends) holds one prompt token other than the scheduler's
+    request: the worker fills its batch row and its request state from it,
+    so the tokens it feeds agree with its state, but the block holding
+    that token is cached under the scheduler's tokens.  The block's token
+    links the scheduler ships with the step show it at sealing; the block
+    before is clean."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    original = NewRequestData.from_request.__func__
+
+    def from_request(cls, request, *args, **kwargs):
+        data = original(cls, request, *args, **kwargs)
+        if request.request_id.startswith("B"):
+            tokens = list(data.prompt_token_ids)
+            tokens[BS + 3] = tokens[BS + 3] % 499 + 1  # one token of the second block
+            data.prompt_token_ids = tokens
+        return data
+
+    monkeypatch.setattr(NewRequestData, "from_request", classmethod(from_request))
+    add(eng, "B", [(13 * i) % 470 + 2 for i in range(2 * BS + 5)], max_tokens=4)
+    step(eng, 2)  # the prompt in two chunks fills blocks 0 and 1
+    full, b_blocks = block_ids(eng, "B")
+    step(eng)  # (a step's blocks are sealed when the next begins)
+    drain(eng)
+    bad = of(rt, "input_token_mismatch")
+    assert [(v.kind, v.blocks, v.owners, v.actor) for v in rt.violations()] == [
+        ("input_token_mismatch", [b_blocks[1]], [full], full)]
+    assert bad[0].details[0]["against"] == "scheduler"
+    assert bad[0].details[0]["first_position"] == BS
+    assert "other tokens than the scheduler cached it under" in bad[0].message
+
+
 def test_sequence_lengths_other_than_the_written_extent_are_read_extent_mismatch(
         eng, rt, monkeypatch):
     """Attention reads each request's KV up to the step's sequence length.

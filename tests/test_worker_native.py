@@ -242,6 +242,45 @@ def test_a_row_added_back_in_a_quiet_step_is_checked(eng, rt, monkeypatch):
                                "given": c_blocks[0]}]
 
 
+def test_a_block_cached_under_other_tokens_in_a_quiet_step(eng, rt, monkeypatch):
+    """The scheduler appends one sampled token other than the one the
+    worker sampled and feeds (its copy of the request diverges from the
+    worker's): the block that fills with it during decode is cached, in a
+    quiet step begun in C, under tokens the worker did not compute its KV
+    from.  The block's token links travel with that step's payload to the
+    checker (the STEP hook hands them to ``will_seal``), and the block is
+    reported when it is sealed; the blocks before are clean."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    original = Scheduler.update_from_output
+    changed = []
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        for rid, i in model_runner_output.req_id_to_index.items():
+            req = self.requests.get(rid)
+            sampled = model_runner_output.sampled_token_ids[i]
+            if req is not None and rid.startswith("A") and req.num_output_tokens == 3 \
+                    and sampled and not changed:
+                sampled = list(sampled)
+                sampled[0] = sampled[0] % 499 + 1
+                model_runner_output.sampled_token_ids[i] = sampled
+                changed.append(len(req.prompt_token_ids) + 3)  # its position
+        return original(self, scheduler_output, model_runner_output)
+
+    monkeypatch.setattr(Scheduler, "update_from_output", update_from_output)
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=3 * BS - 69 + 2)  # fills block 2 in decode
+    step(eng, 3)
+    a_full, a_blocks = block_ids(eng, "A")
+    begun = hook("execute_model").calls
+    drain(eng)
+    assert changed == [72] and hook("execute_model").calls - begun > 10
+    bad = of(rt, "input_token_mismatch")
+    assert [(v.kind, v.blocks, v.owners, v.actor) for v in rt.violations()] == [
+        ("input_token_mismatch", [a_blocks[2]], [a_full], a_full)]
+    assert bad[0].details[0]["against"] == "scheduler"
+    assert bad[0].details[0]["first_position"] == 2 * BS
+
+
 def test_sampled_checksums_in_quiet_steps_find_a_scribble(eng, rt):
     """Quiet steps keep the sampling tick: the sealed block a stray write
     changed is re-verified within one sweep of decode steps."""

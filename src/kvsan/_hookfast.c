@@ -99,7 +99,7 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_will_seal, *s_pending_release, *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__req_ids, *s_req_id_to_index, *s__fast,
-    *s_rows_on, *s__row_order,
+    *s_rows_on, *s__row_order, *s_links,
     *s_guard_step, *s_guard_where,
     *s_idle_audited;
 
@@ -1441,13 +1441,13 @@ done:
 }
 
 /* 1 when the scheduler's step has more to do than its payload: what
- * _schedule_ends does then (the still-cached filter, the delayed frees'
- * sweep, a full audit due, the metrics refresh due); 0 not; -1 error */
+ * _schedule_ends does then (blocks cached: the still-cached filter and
+ * their token links for the workers; the delayed frees' sweep, a full
+ * audit due, the metrics refresh due); 0 not; -1 error */
 static int
 sched_busy(PyObject *rt, PyObject *ck, PyObject *payload)
 {
-    int u = item_truth(payload, s_uncached, 0);
-    int c = u <= 0 ? u : item_truth(payload, s_cached, 0);
+    int c = item_truth(payload, s_cached, 0);
     if (c != 0) {
         return c;
     }
@@ -1722,8 +1722,16 @@ quiet_begin(PyObject *rt, PyObject *dc, PyObject *so)
     if (t < 0) {
         goto done;
     }
-    if (t) {
-        PyObject *got = PyObject_CallMethodOneArg(dc, s_will_seal, cached);
+    if (t) { /* with their token links, where the scheduler sent them */
+        PyObject *links = PyDict_GetItemWithError(payload, s_links); /* borrowed */
+        if (links == NULL && PyErr_Occurred()) {
+            goto done;
+        }
+        Py_XINCREF(links);
+        PyObject *argv[3] = {dc, cached, links};
+        PyObject *got = PyObject_VectorcallMethod(
+            s_will_seal, argv, (links != NULL ? 3 : 2) | PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        Py_XDECREF(links);
         if (got == NULL) {
             goto done;
         }
@@ -2703,6 +2711,7 @@ PyInit__hookfast(void)
     INTERN(s__fast, "_fast");
     INTERN(s_rows_on, "rows_on");
     INTERN(s__row_order, "_row_order");
+    INTERN(s_links, "links");
     INTERN(s_guard_step, "guard_step");
     INTERN(s_guard_where, "_prepare_inputs.guard");
     if ((zero = PyLong_FromLong(0)) == NULL || (one = PyLong_FromLong(1)) == NULL

@@ -170,9 +170,11 @@ class DeviceChecker:
         self._cuda = self.device.type == "cuda"
         self._host_cache = self.device.type == "cpu"
         self.null = frozenset(null_blocks)
-        #: ``on_sealed(checker, [(block, producer request id)])`` after each
-        #: sealing: checks of a freshly sealed block that read the engine's
-        #: own state (the worker adapter's input-token check), or None
+        #: ``on_sealed(checker, [(block, producer request id, links)])``
+        #: after each sealing (``links``: the scheduler's ``(parent link,
+        #: token link)`` of the block, :meth:`will_seal`, or None): checks
+        #: of a freshly sealed block that read the engine's own state (the
+        #: worker adapter's input-token check), or None
         self.on_sealed: Callable | None = None
         #: the input-token record (:meth:`record_inputs`): (the engine's
         #: per-step array of input tokens, the per-slot table), or None
@@ -523,22 +525,31 @@ class DeviceChecker:
         self._in_sweep.clear()
         self.pending_seal.clear()
 
-    def will_seal(self, blocks: Iterable[int]) -> None:
+    def will_seal(self, blocks: Iterable[int], links=None) -> None:
         """Blocks the scheduler cached this step: sealed once written.  Only
         those a request of the worker view produces (writes through the
         slot mappings the guard counts): a block a KV connector loaded, or
         one of a KV cache group the view does not follow, is never counted
         in ``fill``.  Taken, it stayed pending for good (scanned every step:
         milliseconds per step once thousands piled up), or was sealed from
-        the count of its previous use, before its new bytes arrived."""
+        the count of its previous use, before its new bytes arrived.
+        ``links``: ``(block size, [(block, parent link, token link)])``, the
+        tokens the scheduler cached blocks under (an engine's identity of
+        them, opaque here), kept with each pending block and handed to
+        :attr:`on_sealed` with it where the block size is this cache's."""
         null = self.null
         blocks = [b for b in blocks if b not in null]
         if not blocks:
             return
+        keyed = {}
+        if links:
+            bs, entries = links
+            if bs == self.block_size:
+                keyed = {b: (parent, link) for b, parent, link in entries}
         pending = self.pending_seal
         for b, producer in zip(blocks, self._read(0, blocks)):
             if producer != _NONE:
-                pending[b] = None
+                pending[b] = keyed.get(b)
 
     def _w(self, n: int) -> torch.Tensor:
         w = self._weights.get(n)
@@ -692,12 +703,12 @@ class DeviceChecker:
         if not pending:
             return
         waiting = list(pending)
-        bs, blocks, made = self.block_size, [], []
+        bs, blocks, made, links = self.block_size, [], [], []
         for b, n, producer in zip(waiting, self._read(1, waiting), self._read(0, waiting)):
             if n >= bs:
                 blocks.append(b)
                 made.append(producer)
-                del pending[b]
+                links.append(pending.pop(b))
             elif producer == _NONE:  # its producer left unfinished: nobody writes it now
                 del pending[b]
         if not blocks:
@@ -723,7 +734,7 @@ class DeviceChecker:
         self.counters["sealed"] += len(blocks)
         if self.on_sealed is not None:
             rids = self._int_rid
-            self.on_sealed(self, [(b, rids[p]) for b, p in zip(blocks, made)
+            self.on_sealed(self, [(b, rids[p], link) for b, p, link in zip(blocks, made, links)
                                   if 0 <= p < len(rids) and rids[p] is not None])
 
     def input_tokens_differ(self, block: int, rid: str, first: int, offsets: list[int],
@@ -741,6 +752,24 @@ class DeviceChecker:
             [block], owners, rid,
             details=[{"block": block, "request": rid, "first_position": first,
                       "offsets": offsets, "fed_digest": fed, "request_digest": meant}])
+
+    def scheduler_tokens_differ(self, block: int, rid: str, first: int, fed: str) -> None:
+        """Block ``block``, just sealed, holds the KV of request ``rid``'s
+        tokens ``first`` on as the worker has them (``fed``: their digest),
+        but the scheduler cached the block under other tokens (its token
+        link differs): the worker's copy of the request is not the
+        scheduler's, and every hit on the block's cache key reads KV of
+        tokens the key does not name."""
+        owners = self.holders.get(block) or {rid}
+        self._report(
+            kinds.INPUT_TOKEN_MISMATCH,
+            f"block {block} sealed with KV computed from other tokens than the scheduler "
+            f"cached it under: {rid}'s positions {first} to {first + self.block_size - 1} "
+            f"as the worker has them (fed {fed}) are not the scheduler's: every hit on its "
+            f"cache key reads wrong KV",
+            [block], owners, rid,
+            details=[{"block": block, "request": rid, "first_position": first,
+                      "against": "scheduler", "fed_digest": fed}])
 
     # -- input tokens ---------------------------------------------------------
     def record_inputs(self, source) -> bool:

@@ -211,6 +211,14 @@ class RequestIdentity(weakref.ref):
                 and self.mm[k] == other.mm[i] and self.emb[k] == other.emb[i])
 
 
+def token_link(parent: int, tokens: Sequence[int]) -> int:
+    """A block's token link (:meth:`RequestIdentity.extend`) from the link
+    of the block before it (0 for a request's first) and its tokens: what
+    a worker, given the two links of a block its scheduler cached, checks
+    the tokens it computed the block's KV from against."""
+    return hash((parent, tuple(tokens)))
+
+
 #: the producer records' per-block lists, in this order (see IdentityAudit.records)
 RECORD_FIELDS = ("key", "producer", "chain", "index", "weights")
 
@@ -238,6 +246,19 @@ class IdentityAudit:
         self.records: tuple[list, list, list, list, list] = tuple(
             [None] * num_blocks if f != "index" else [0] * num_blocks for f in RECORD_FIELDS)
         self.checked = 0
+
+    def links(self, blocks: Iterable[int]) -> list[tuple[int, int, int]]:
+        """``(block, parent link, token link)`` of each of ``blocks`` whose
+        producer is recorded: the tokens it was cached under, as the
+        producer's chain has them (:func:`token_link`)."""
+        keys, _, chains, index, _ = self.records
+        n, got = len(keys), []
+        for b in blocks:
+            if 0 <= b < n and keys[b] is not None:
+                tok, k = chains[b].tok, index[b]
+                if k < len(tok):
+                    got.append((b, tok[k - 1] if k else 0, tok[k]))
+        return got
 
     def _grow(self, n: int) -> None:
         for f, lst in zip(RECORD_FIELDS, self.records):

@@ -519,6 +519,11 @@ def audit_scheduler(rt, sched, site="kvsan.audit") -> int:
     return found
 
 
+#: the identity audit's ``cached_links(rt, scheduler, blocks)`` where it
+#: is installed (:mod:`.vllm_identity`): the token links of the blocks a
+#: step cached, shipped to the workers with the step's payload
+CACHED_LINKS: list = [None]
+
 #: the pool gauges and the step / overhead counters are refreshed at most
 #: this often while traffic flows (and always when the engine goes idle):
 #: Prometheus scrapes every few seconds, the scheduler steps every few ms
@@ -552,6 +557,9 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
         ret.kvsan = payload
         if payload["uncached"] and payload["cached"] and ck is not None:
             payload["cached"] = still_cached(payload["cached"], ck.shadow.cached)
+        links = CACHED_LINKS[0]
+        if links is not None and payload["cached"]:
+            payload["links"] = links(rt, sched, payload["cached"])
     except Exception as e:  # noqa: BLE001
         rt.reporter.internal_error("schedule.payload", e)
     if ck is not None:

@@ -23,6 +23,7 @@ from .. import runtime as _rt
 from ..checks import identity as _identity
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
 from . import Target, bind_args, guard_failed, instrument, request_on_stack, uninstrument
+from . import vllm_allocator as _allocator
 from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS
 
 _state = {"weights_epoch": 0, "model": None, "dtype": None}
@@ -402,6 +403,21 @@ _NATIVE_OBSERVED: list = [None]
 _NATIVE_HITS: list = [None]
 
 
+def cached_links(rt, sched, blocks: list[int]):
+    """For the step's payload to the workers: ``(block size, [(block,
+    parent link, token link)])`` of the blocks ``sched`` cached this step
+    whose producer the audit recorded (the tokens the scheduler cached each
+    under, as links: never the tokens), or None.  A worker checks the
+    tokens it computed a block's KV from against them when it seals the
+    block (``input_token_mismatch``)."""
+    pool = sched.kv_cache_manager.block_pool
+    audit = _audit(rt, pool)
+    if audit is None:
+        return None
+    links = audit.links(blocks)
+    return (pool.hash_block_size, links) if links else None
+
+
 def install() -> list[str]:
     """Patch the identity audit's targets (through kvsan's trampolines: on
     ``cache_full_blocks`` it is a second hook on top of the allocator's, or
@@ -417,6 +433,7 @@ def install() -> list[str]:
     else:
         installed, _ = instrument(ts)
     _NATIVE_HITS[0] = _native_hook(_HITS_HOOK)
+    _allocator.CACHED_LINKS[0] = cached_links
     return [f"identity:{t.qualname}" for t in ts if t.name in installed]
 
 
@@ -430,4 +447,5 @@ def uninstall() -> None:
     if hits is not None:
         hits.identity = None
     _NATIVE_HITS[0] = None
+    _allocator.CACHED_LINKS[0] = None
     uninstrument(targets())

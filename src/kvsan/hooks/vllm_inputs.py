@@ -19,7 +19,12 @@ sealing each block's recorded tokens are compared with its request's own
 (the runner's request state, made from what the scheduler sent):
 ``input_token_mismatch``.  Where the buffer cannot be recorded, the input
 batch's row over the block's positions stands in for it (what the gather
-reads; it does not see a wrong gather).
+reads; it does not see a wrong gather).  The request state is itself made
+from what the scheduler sent, so where the two agree the block's tokens
+are also checked against those the scheduler cached it under: the
+scheduler ships each newly cached block's token links (the identity
+audit's, :func:`kvsan.checks.identity.token_link`) with the step, and a
+worker whose copy of a request is not the scheduler's is reported too.
 
 Checked only where both are known to hold the step's inputs: the V1 runner
 without async scheduling (its sampled tokens reach the batch, and the host
@@ -51,6 +56,7 @@ import numpy as np
 import torch
 
 from ..checks.device import NOT_FED
+from ..checks.identity import token_link
 
 
 def install(dc, runner, connector: bool) -> bool:
@@ -189,7 +195,7 @@ def _check_sealed(runner_ref, dc, sealed) -> None:
     rows, states, fed_rows, bs = batch.req_id_to_index, runner.requests, batch.token_ids_cpu, \
         dc.block_size
     recorded = dc.fed_tokens is not None
-    for b, rid in sealed:
+    for b, rid, link in sealed:
         st = states.get(rid)
         if st is None or st.prompt_token_ids is None \
                 or getattr(st, "prompt_embeds", None) is not None or not st.block_ids:
@@ -214,6 +220,10 @@ def _check_sealed(runner_ref, dc, sealed) -> None:
             if offsets:
                 dc.input_tokens_differ(b, rid, first, offsets, token_digest(fed),
                                        token_digest(meant))
+        elif link is not None and token_link(link[0], fed) != link[1]:
+            # the worker's tokens agree with its request state, and both
+            # differ from those the scheduler cached the block under
+            dc.scheduler_tokens_differ(b, rid, first, token_digest(fed))
 
 
 def request_tokens(prompt: list[int], output: list[int], first: int, n: int) -> list[int] | None:

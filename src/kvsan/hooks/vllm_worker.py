@@ -240,7 +240,7 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
     if payload is not None:
         if payload["cached"]:
-            dc.will_seal(payload["cached"])
+            dc.will_seal(payload["cached"], payload.get("links"))
         if dc.poison_on:
             dc.unpoison(layers, fresh)
             # a block handed out again in this same step is overwritten, not
