@@ -86,6 +86,23 @@ def test_injected_early_free_is_reported(model, tmp_path, in_process):
     assert chk.returncode == 1 and "free_with_live_owners" in chk.stdout
 
 
+def test_a_prompt_sent_wrong_to_the_worker_is_reported_by_the_worker(model, tmp_path):
+    """In vLLM's default multi-process mode the scheduler (EngineCore) and
+    the worker are two processes: the block token links the scheduler ships
+    with each step reach the worker, which reports the blocks it computed
+    from a prompt whose first token it was sent wrong (``prompt_sent_wrong``,
+    injected in the EngineCore), against the scheduler's tokens."""
+    run_once(model, str(tmp_path), seed=1, inject="prompt_sent_wrong", in_process=False)
+    found = violations(str(tmp_path))
+    assert found and {v["kind"] for v in found} == {"input_token_mismatch"}, \
+        [v["kind"] for v in found]
+    assert all(v["role"] == "worker" and v["details"][0]["against"] == "scheduler"
+               and v["details"][0]["first_position"] == 0 and v["owners"] == [v["actor"]]
+               for v in found)
+    # each block once per request that sealed it (a block is sealed again after reuse)
+    assert len({(v["blocks"][0], v["actor"]) for v in found}) == len(found)
+
+
 def test_leak_on_abort_is_reported_and_names_the_request(model, tmp_path):
     run_once(model, str(tmp_path), seed=1, inject="leak_on_abort", in_process=True)
     leaks = [v for v in violations(str(tmp_path)) if v["kind"] == "leaked_blocks"]

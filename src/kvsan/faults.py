@@ -49,10 +49,28 @@ def _touch_without_ref(wrapped, instance, args, kwargs):
     return ret
 
 
+def _prompt_sent_wrong(wrapped, instance, args, kwargs):
+    """The worker is sent a new request's prompt with its first token
+    changed (the shape of a transport or serialization bug between the
+    scheduler and its workers): the worker's copy of the request, and the
+    KV it computes, are not those of the tokens the scheduler caches the
+    request's blocks under, so every later prefix hit on them reads wrong
+    KV under a right key (cache poisoning, no lifetime error)."""
+    data = wrapped(*args, **kwargs)
+    tokens = getattr(data, "prompt_token_ids", None)
+    if tokens:
+        tokens = list(tokens)
+        tokens[0] = tokens[0] + 1 if tokens[0] < 2 ** 20 else tokens[0] - 1
+        data.prompt_token_ids = tokens
+    return data
+
+
 FAULTS = {
     "double_unref_on_abort": (_KVM, "KVCacheManager.free", _double_unref_on_abort),
     "leak_on_abort": (_KVM, "KVCacheManager.free", _leak_on_abort),
     "touch_without_ref": (_BP, "BlockPool.touch", _touch_without_ref),
+    "prompt_sent_wrong": ("vllm.v1.core.sched.output", "NewRequestData.from_request",
+                          _prompt_sent_wrong),
 }
 
 #: what kvsan is expected to report first for each fault
@@ -60,6 +78,7 @@ EXPECTED = {
     "double_unref_on_abort": "free_with_live_owners",
     "leak_on_abort": "leaked_blocks",
     "touch_without_ref": "free_with_live_owners",
+    "prompt_sent_wrong": "input_token_mismatch",
 }
 
 _active: list[tuple[object, str, object]] = []
