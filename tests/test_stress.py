@@ -59,12 +59,16 @@ def test_clean_soak_is_clean_and_matches_the_reference(model, audit_every_step):
     ref = ed.reference_outputs(model, {r.rid: toks[r.rid] for r in sampled},
                                {r.rid: r.max_tokens for r in sampled}, 5,
                                ed.engine_kwargs(model, POOL, False, 128))
+    errors = audit_every_step.reporter.internal_errors
     llm = engine(model)
     try:
         res = stress.drive(llm, reqs, toks)
     finally:
         close(llm)
     assert res["error"] is None and res["violations"] == []
+    # the audit after every step ran (a failure of kvsan's own is counted, not raised)
+    assert audit_every_step.reporter.internal_errors == errors, \
+        audit_every_step.reporter._error_sites
     assert res["cancelled"] > 0 and res["timed_out"] > 0
     mv = res["movements"]  # kvsan's view: the small pool really churned
     assert mv["shared"] > 0 and mv["evicted"] > 0 and mv["preempted"] > 0, mv

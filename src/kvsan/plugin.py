@@ -49,6 +49,7 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     installed, missing = [], []
     if rt.role != "worker":
         installed, missing = hooks.instrument(vllm_allocator.targets())
+        _install_when_imported(rt, vllm_allocator.hisparse_targets, vllm_allocator._HISPARSE)
     if rt.role != "worker":
         from .hooks import vllm_identity
 
@@ -60,7 +61,10 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     _install_device_hooks(rt, installed, missing)
     if rt.role != "worker":
         _install_owners_utility()
-    rt.hooks_installed, rt.hooks_missing = installed, missing
+    # (hooks patched at once by a post-import hook, for a module already
+    # imported, are kept)
+    rt.hooks_installed = installed + [g for g in rt.hooks_installed if g not in installed]
+    rt.hooks_missing = missing
     problems = list(missing)
     if not supported:
         problems.insert(0, f"vLLM version {version or 'not installed'} is not supported "
@@ -80,6 +84,22 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
         missing=problems,
     )
     return rt
+
+
+def _install_when_imported(rt, targets, module: str) -> None:
+    """Optional hooks on a module vLLM imports only for some models or
+    features: patched when (if) it is imported, never reported missing."""
+    import wrapt
+
+    from . import hooks
+
+    def patch(_module=None):
+        if _rt.get() is not rt:
+            return  # (uninstalled since: a post-import hook stays registered)
+        got, _ = hooks.instrument(targets())
+        rt.hooks_installed.extend(g for g in got if g not in rt.hooks_installed)
+
+    wrapt.register_post_import_hook(patch, module)
 
 
 def _install_device_hooks(rt, installed: list, missing: list) -> None:

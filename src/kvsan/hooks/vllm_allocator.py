@@ -171,16 +171,17 @@ def _release_obs(instance, blocks, pre):
     if len(pre) == len(blocks):  # each block once (the common case)
         return [(b.block_id, *pre[b.block_id], b.ref_cnt, b.prev_free_block is not None)
                 for b in blocks]
+    # (a block of another pool, which vLLM hands to that pool, may share an id
+    # with one of this pool's: only this pool's are matched)
+    mine = [(i, b) for i, b in enumerate(blocks)
+            if b.block_id in pre and (b.pool is None or b.pool is instance)]
     last = {}
-    for i, b in enumerate(blocks):
-        if b.block_id in pre:
-            last[b.block_id] = i
+    for i, b in mine:
+        last[b.block_id] = i
     seen: dict[int, int] = {}
     obs = []
-    for i, b in enumerate(blocks):
+    for i, b in mine:
         bid = b.block_id
-        if bid not in pre:
-            continue
         ref0, linked0 = pre[bid]
         k = seen.get(bid, 0)
         seen[bid] = k + 1
@@ -399,10 +400,16 @@ def _pop_blocks_for_free(wrapped, instance, args, kwargs):
     if rt is None or not ret:
         return ret
     rid = args[0] if args else kwargs["request_id"]
-    ck = rt.checkers.get(instance.block_pool)
-    if ck is not None:
-        _guard(rt, "pop_blocks_for_free", ck.on_transfer,
-               [b.block_id for b in ret if not b.is_null], rid, f"deferred:{rid}", _site())
+    home = instance.block_pool
+    by_pool: dict = {}  # a block of another pool (HiSparse's host pool) is in that one's table
+    for b in ret:
+        if not b.is_null:
+            by_pool.setdefault(home if b.pool is None else b.pool, []).append(b.block_id)
+    site = _site()
+    for pool, ids in by_pool.items():
+        ck = rt.checkers.get(pool)
+        if ck is not None:
+            _guard(rt, "pop_blocks_for_free", ck.on_transfer, ids, rid, f"deferred:{rid}", site)
     return ret
 
 
@@ -568,7 +575,7 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
             if ck.pending_release:
                 ck.sweep(rt.config.leak_grace_steps)
             if rt.config.audit_every and rt.step % rt.config.audit_every == 0:
-                audit_scheduler(rt, instance)
+                audit_scheduler(rt, sched)
             if rt.metrics is not None:
                 now = _monotonic()
                 if now >= rt.metrics_due:  # gauges are scraped, not read per step
@@ -897,6 +904,24 @@ def _journal_dropped(pool, rid, blocks: list, cand: list) -> None:
     ck = _checker(pool)[1] if gone else None
     if ck is not None:  # (the pool's journal: its scheduler ships it)
         ck.journal.dropped.append((rid, gone))
+
+
+#: HiSparse (vLLM 0.32's sparse-attention KV offload), patched when vLLM
+#: imports it (:func:`hisparse_targets`)
+_HISPARSE = "vllm.v1.hisparse.coordinator"
+
+
+def hisparse_targets() -> list[Target]:
+    """Owner frames of the HiSparse coordinator, whose residency updates
+    release a request's resident pages through ``BlockPool.unpin_blocks``
+    (the page stays readable until the pool hands it out again) and whose
+    ``free`` unpins what is left: the release is the named request's.
+    Installed when vLLM imports the module (most deployments never do)."""
+    return [
+        Target(_HISPARSE, "HiSparseCoordinator._unpin_page", _owner_scoped(_RID, "free"),
+               owner=_RID),
+        Target(_HISPARSE, "HiSparseCoordinator.free", _owner_scoped(_RID, "free"), owner=_RID),
+    ]
 
 
 def targets() -> list[Target]:

@@ -41,8 +41,11 @@ def _reap(chain: RequestIdentity) -> None:
     """A Request went: drop its chain (unless a newer Request under the same
     id replaced the entry).  kvsan._tokenlinks's ``reap`` does the same
     without a Python frame."""
-    if _chains.get(chain.rid) is chain:
-        del _chains[chain.rid]
+    chains = _chains
+    if chains is None:  # (interpreter shutdown: this module's globals are gone)
+        return
+    if chains.get(chain.rid) is chain:
+        del chains[chain.rid]
 
 
 WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
