@@ -110,6 +110,7 @@ def test_use_after_free_found_at_the_touch(rt):
     assert found[0].blocks == [victim.block_id] and found[0].owners == ["B"]
 
 
+@pytest.mark.own_errors  # (it makes one on purpose)
 def test_own_failure_is_counted_not_raised(rt):
     """In log mode a failure of kvsan's table reaches neither the engine nor
     its result: counted once per site as an internal error."""
@@ -231,6 +232,7 @@ def test_evict_drops_cache_keys_in_one_pass(rt):
     assert kinds_of(rt) == [] and sh.stats()["live_owned"] == 0
 
 
+@pytest.mark.own_errors  # (it makes one on purpose)
 def test_worker_side_failure_is_counted_not_raised(rt):
     """A worker-side check (``vllm_worker._dguard``) that fails in log mode
     reaches neither the step nor its caller: counted as an internal error

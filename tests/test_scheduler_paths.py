@@ -569,6 +569,7 @@ def test_dropped_blocks_journaled_the_same_natively_and_in_python(rt):
     assert native == python and sum(map(len, native)) >= 6 and kinds_of(rt) == []
 
 
+@pytest.mark.own_errors  # (it makes one on purpose)
 @pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
 def test_a_failure_filing_dropped_blocks_is_counted_not_raised(rt, native):
     """kvsan's own failure while filing a window's dropped blocks (here:

@@ -914,13 +914,19 @@ _HISPARSE = "vllm.v1.hisparse.coordinator"
 def hisparse_targets() -> list[Target]:
     """Owner frames of the HiSparse coordinator, whose residency updates
     release a request's resident pages through ``BlockPool.unpin_blocks``
-    (the page stays readable until the pool hands it out again) and whose
-    ``free`` unpins what is left: the release is the named request's.
+    (the page stays readable until the pool hands it out again), whose
+    ``free`` unpins what is left, and which pins the GPU copies a prefix
+    hit adopts: each is the named request's.  (Its spill pins, taken and
+    dropped per transfer, stay unattributed on both sides.)
     Installed when vLLM imports the module (most deployments never do)."""
     return [
         Target(_HISPARSE, "HiSparseCoordinator._unpin_page", _owner_scoped(_RID, "free"),
                owner=_RID),
         Target(_HISPARSE, "HiSparseCoordinator.free", _owner_scoped(_RID, "free"), owner=_RID),
+        # (a prefix hit's pages pointed at published GPU copies: each copy
+        # is touched for the request, which unpins it as it does its own)
+        Target(_HISPARSE, "HiSparseCoordinator._adopt_copies", _owner_scoped(_RID, "alloc"),
+               owner=_RID),
     ]
 
 
