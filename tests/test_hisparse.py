@@ -53,7 +53,7 @@ def hisparse_manager(num_blocks, host_num_blocks, max_in_flight_tokens=None):
                           enable_caching=False, max_in_flight_tokens=max_in_flight_tokens)
 
 
-def test_unpinned_pages_are_their_requests_releases_and_free_to_reuse(rt):
+def test_unpinned_pages_are_their_requests_releases_and_free_to_reuse(rt, monkeypatch):
     """A's resident pages, once their host copies are written back, are
     unpinned by the coordinator's residency update (the scheduler's
     connector runs it each step): the pool counts them free, and B is
@@ -85,15 +85,12 @@ def test_unpinned_pages_are_their_requests_releases_and_free_to_reuse(rt):
         manager.new_step_starts()
 
     a = make_request("A", list(range(5 * BS)))
-    type(pool).unpin_blocks, restore = spy, type(pool).unpin_blocks
-    try:
+    with monkeypatch.context() as m:  # (kvsan's hook stays under the spy)
+        m.setattr(type(pool), "unpin_blocks", spy)
         step(a, a.num_tokens)
         for _ in range(2):
             a.append_output_token_ids(7)
             step(a, 1)
-    finally:
-        # (the hook kvsan patched in stays: restored to what was there)
-        type(pool).unpin_blocks = restore
     assert unpinned, "no page was unpinned"
     assert all(p.blocks[x].ref_cnt == 0 for p, x in unpinned)
     assert all(rt.checkers[p].shadow.owners(x) == [] for p, x in unpinned)  # A's releases

@@ -87,8 +87,9 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
 
 
 def _install_when_imported(rt, targets, module: str) -> None:
-    """Optional hooks on a module vLLM imports only for some models or
-    features: patched when (if) it is imported, never reported missing."""
+    """Hooks on a module this process may import later, or never (a model
+    runner outside a worker process, a feature's module): patched when it
+    is imported (at once if it already is), never reported missing."""
     import wrapt
 
     from . import hooks
@@ -106,32 +107,22 @@ def _install_device_hooks(rt, installed: list, missing: list) -> None:
     """Worker-side hooks.  A worker process patches at once; other processes
     patch when (if) they import a model runner: in-process mode and CUDA's
     single-process executor run the worker inside them."""
-    import wrapt
-
     from . import hooks
     from .hooks import vllm_worker
 
-    def v1(_module=None):
-        got, lost = hooks.instrument(vllm_worker.targets())
-        rt.hooks_installed.extend(g for g in got if g not in rt.hooks_installed)
-        return got, lost
-
-    def v2(_module=None):
+    if rt.role != "worker":
+        _install_when_imported(rt, vllm_worker.targets, vllm_worker._V1)
+        _install_when_imported(rt, vllm_worker.targets_v2, vllm_worker._V2)
+        return
+    got, lost = hooks.instrument(vllm_worker.targets())
+    installed.extend(got)
+    missing.extend(lost)
+    try:
         # the V2 runner needs Triton (absent from CPU builds): optional
         got, _ = hooks.instrument(vllm_worker.targets_v2())
-        rt.hooks_installed.extend(g for g in got if g not in rt.hooks_installed)
-
-    if rt.role == "worker":
-        got, lost = v1()
-        installed.extend(got)
-        missing.extend(lost)
-        try:
-            v2()
-        except Exception:  # noqa: BLE001 - not importable on this build
-            pass
-    else:
-        wrapt.register_post_import_hook(v1, vllm_worker._V1)
-        wrapt.register_post_import_hook(v2, vllm_worker._V2)
+        installed.extend(g for g in got if g not in installed)
+    except Exception:  # noqa: BLE001 - not importable on this build
+        pass
 
 
 def _install_owners_utility() -> None:
