@@ -69,12 +69,13 @@ def main(argv=None) -> int:
                 from kvsan.tinymodel import ensure_tiny_model
 
                 res = e2e.bench(models={"tiny": ensure_tiny_model()}, rounds=1, groups=1,
-                                per_group=2, absent=False, procs=1)
+                                per_group=2, absent=False, procs=1, batches=1)
             else:
                 res = e2e.bench()
-            procs = next(iter(res.values()))["processes"]
-            out += [f"### End to end (real engine, in-process mode, {procs} process(es) per "
-                    "setting pooled, stepped in turn)\n", e2e.markdown(res)]
+            first = next(iter(res.values()))
+            out += [f"### End to end (real engine, in-process mode, {first['processes']} "
+                    f"process(es) per setting pooled, in {first['batches']} batch(es) "
+                    "stepped in turn)\n", e2e.markdown(res)]
         out.append(f"\n_{part}: {time.time() - t0:.0f} s_\n")
         print(f"[benchmarks] {part} done in {time.time() - t0:.0f} s", file=sys.stderr,
               flush=True)

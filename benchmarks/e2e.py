@@ -10,13 +10,15 @@ at start-up), stepped in turn in a new random order every turn, over
 several rounds of the workload.  Every lane sees the same machine at the
 same moments; booting them one after another instead left run-to-run drift
 on a shared 2-core host larger than kvsan's cost.  Each setting runs in
-``procs`` processes (default 2), pooled: two identical processes differ by
-up to 1.7% here (their memory layout), as much as kvsan's whole cost, and
-pooling halves what one process's layout adds to a setting.  Each setting
-is measured against its own off processes, four lanes at a time: every
-lane a process steps in turn leaves the next one colder caches (8 lanes
-made the off step 2.2 ms against 1.55 ms with 4), which is not how an
-engine runs, alone on its host.
+``procs`` x ``batches`` processes (default 2 x 2), pooled: two identical
+processes differ by up to 2% here (their memory layout), as much as
+kvsan's whole cost, so one process per setting reads anywhere in a 3%
+band; four pooled halve that.  Each setting is measured against its own
+off processes, four lanes at a time (``procs`` of each), and the batches
+run one after another with fresh processes: every lane a process steps in
+turn leaves the next one colder caches (8 lanes made the off step 2.2 ms
+against 1.55 ms with 4), which is not how an engine runs, alone on its
+host.
 
 Reported per model: throughput (tokens per CPU-second of the lane's steps)
 and per-step latency (median CPU time of one traffic step), as ratios to
@@ -127,8 +129,8 @@ LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
          "absent": {"VLLM_PLUGINS": "none"}}
 
 
-def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, seed: int = 0,
-          absent: bool = True, procs: int = 2) -> dict:
+def bench(models=None, rounds: int = 4, groups: int = 6, per_group: int = 5, seed: int = 0,
+          absent: bool = True, procs: int = 2, batches: int = 2) -> dict:
     from . import lanes
 
     if models is None:
@@ -141,9 +143,12 @@ def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, see
         code = (f"from benchmarks.e2e import serve_lane; "
                 f"serve_lane({path!r}, {rounds}, {groups}, {per_group}, {seed})")
         for s in settings:  # each against its own off processes
-            got = lanes.run({f"{x}#{p}": (code, LANES[x]) for x in ("off", s)
-                             for p in range(procs)})
-            part = summarize(got, rounds)
+            got = {}
+            for b in range(batches):  # fresh processes, the same lanes at a time
+                got.update(lanes.run({f"{x}#{b * procs + p}": (code, LANES[x])
+                                      for x in ("off", s) for p in range(procs)}))
+            part = summarize(got, rounds, per_batch=procs)
+            part["batches"] = batches
             if name not in res:
                 res[name] = part
             else:
@@ -152,13 +157,19 @@ def bench(models=None, rounds: int = 5, groups: int = 6, per_group: int = 5, see
     return res
 
 
-def summarize(got: dict, rounds: int) -> dict:
+def summarize(got: dict, rounds: int, per_batch: int | None = None) -> dict:
     """Ratios to off from the lanes' steps, the processes of a setting
     (lanes ``setting#i``) pooled: per round and over all rounds; and each
-    process's own ratio over all rounds (``processes``)."""
+    process's own ratio over all rounds (``processes``), against the off
+    processes that ran beside it (lanes ``off#j`` of its batch, ``i //
+    per_batch``: machine speed drifts between batches)."""
     procs: dict[str, list[dict]] = {}
-    for lane, g in got.items():
-        procs.setdefault(lane.split("#", 1)[0], []).append(g)
+    batch_of: dict[str, list[int]] = {}
+    for lane, g in sorted(got.items(), key=lambda kv: (kv[0].split("#")[0],
+                                                        int(kv[0].split("#")[1]))):
+        s, i = lane.split("#", 1)
+        procs.setdefault(s, []).append(g)
+        batch_of.setdefault(s, []).append(int(i) // per_batch if per_batch else 0)
     per_round = {s: [sum(x["ns"] for g in gs for x in g["steps"] if x["round"] == k)
                      for k in range(rounds)] for s, gs in procs.items()}
     med_step = {s: statistics.median(x["ns"] for g in gs for x in g["steps"])
@@ -180,8 +191,10 @@ def summarize(got: dict, rounds: int) -> dict:
              "processes": len(procs["off"]),
              "off_tok_s": first["tokens"] * rounds * len(procs["off"]) / (sum(off) / 1e9),
              "off_step_ms": med_step["off"] / 1e6}
-    # each process's mean over all rounds, against the pooled off's
-    off_mean = sum(off) / len(procs["off"])
+    # each process's mean over all rounds, against the off processes of its batch
+    off_each = [sum(x["ns"] for x in g["steps"]) for g in procs["off"]]
+    off_mean = {b: statistics.mean(e for e, c in zip(off_each, batch_of["off"]) if c == b)
+                for b in set(batch_of["off"])}
     for s, gs in procs.items():
         if s == "off":
             continue
@@ -191,7 +204,7 @@ def summarize(got: dict, rounds: int) -> dict:
         if s == "absent":  # off against not loaded: off is the one measured
             entry[s] = {"throughput": [a * scale / o for o, a in zip(off, mine)],
                         "throughput_all": sum(mine) * scale / sum(off),
-                        "processes": [e / off_mean for e in each],
+                        "processes": [e / off_mean[b] for e, b in zip(each, batch_of[s])],
                         "step": [med_step["off"] / med_step[s]]}
             continue
         rounds_of = [[x for g in gs for x in g["summary"]["rounds"][k:k + 1]]
@@ -199,7 +212,7 @@ def summarize(got: dict, rounds: int) -> dict:
         entry[s] = {
             "throughput": [o / (x * scale) for o, x in zip(off, mine)],
             "throughput_all": sum(off) / (sum(mine) * scale),
-            "processes": [off_mean / e for e in each],
+            "processes": [off_mean[b] / e for e, b in zip(each, batch_of[s])],
             "step": [med_step[s] / med_step["off"]],
             "kvsan_share": [sum(x["kvsan_s"] for x in rs) / (ns / 1e9)
                             for rs, ns in zip(rounds_of, mine)],

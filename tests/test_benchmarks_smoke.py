@@ -71,9 +71,9 @@ def test_e2e_aggregation(monkeypatch):
 
     def fake(spec):
         got = {}
-        for lane in spec:  # "setting#process"; the second default process 4% slower
-            s, p = lane.split("#")
-            f = slow[s] * (1.04 if lane == "default#1" else 1.0)
+        for lane in spec:  # "setting#process": the second default process 4% slower,
+            s, p = lane.split("#")  # and the second batch's machine (#2, #3) 10%
+            f = slow[s] * (1.04 if lane == "default#1" else 1.0) * (1.1 if int(p) >= 2 else 1.0)
             got[lane] = {"steps": [{"ns": int(1e6 * f), "round": r}
                                    for r in range(2) for _ in range(5)],
                          "summary": {"rounds": [{"tokens": 10, "steps": 5, "outputs": "same",
@@ -82,15 +82,19 @@ def test_e2e_aggregation(monkeypatch):
         return got
 
     monkeypatch.setattr(lanes, "run", fake)
-    res = e2e.bench(models={"m": "unused"}, rounds=2)
-    assert res["m"]["processes"] == 2
-    pooled = 2 / (1.02 + 1.02 * 1.04)  # the two processes of a setting pooled
+    res = e2e.bench(models={"m": "unused"}, rounds=2)  # two batches of two processes
+    assert res["m"]["processes"] == 4 and res["m"]["batches"] == 2
+    # the four processes of a setting pooled
+    pooled = (2 + 2 * 1.1) / (1.02 * (1 + 1.04 + 2 * 1.1))
     assert res["m"]["default"]["throughput"] == pytest.approx([pooled, pooled])
-    assert res["m"]["default"]["processes"] == pytest.approx([1 / 1.02, 1 / (1.02 * 1.04)])
+    # each process against the off processes of its own batch
+    assert res["m"]["default"]["processes"] == pytest.approx(
+        [1 / 1.02, 1 / (1.02 * 1.04), 1 / 1.02, 1 / 1.02])
+    assert res["m"]["absent"]["processes"] == pytest.approx([1.0] * 4)
     assert res["m"]["strict"]["throughput_all"] == pytest.approx(1 / 1.2)
-    # kvsan's own time in both processes against both processes' step time
+    # kvsan's own time in all processes against all processes' step time
     assert res["m"]["default"]["kvsan_share"] == pytest.approx(
-        [2 * 0.0005 / (0.0051 + 0.0051 * 1.04)] * 2)
+        [4 * 0.0005 / (0.005 * 1.02 * (1 + 1.04 + 2 * 1.1))] * 2)
     assert "not loaded" in e2e.markdown(res)
 
 
