@@ -145,6 +145,10 @@ def test_native_steps_leave_the_checker_as_the_python_hooks_do(eng, rt, monkeypa
     assert native["native"]["_prepare_inputs"] > native["steps"] // 2
     assert python["native"] == {"execute_model": 0, "_prepare_inputs": 0}
     assert native["device_s"] > 0  # their own time reaches rt.device_s
+    # (the rows swept besides those that changed follow the row checks,
+    # which the Python hooks run at every step, the native ones at the steps
+    # that changed the worker view or the batch's order)
+    assert python["counters"].pop("rows_swept") >= native["counters"].pop("rows_swept") > 0
     for key in ("outputs", "steps", "tick", "counters", "sealed"):
         assert native[key] == python[key], key
     assert native["counters"]["verified"] > 0 and native["counters"]["guarded_tokens"] > 0
@@ -240,6 +244,41 @@ def test_a_row_added_back_in_a_quiet_step_is_checked(eng, rt, monkeypatch):
         ("block_table_mismatch", [a_blocks[0]], [c_full], c_full)]
     assert bad[0].details == [{"request": c_full, "entry": 0, "table": a_blocks[0],
                                "given": c_blocks[0]}]
+
+
+def test_a_row_rewritten_in_place_is_found_by_the_row_sweep(eng, rt):
+    """A decoding request's block-table row rewritten in place (its first
+    entry another request's block) while the request stays at its row and
+    gets no block: no step changes anything the row check follows, and the
+    request ends before it needs a new block.  The rows swept besides
+    those that changed find it at the next row check (a request joining
+    the batch), with its block, owner and entry."""
+    from kvsan.checks.device import DeviceChecker
+
+    add(eng, "A", PREFIX + [11] * 5, max_tokens=20)
+    add(eng, "C", [(17 * i) % 460 + 5 for i in range(2 * BS + 3)], max_tokens=12)
+    step(eng, 3)  # both prefilled, both decoding, in 3 blocks to their end
+    a_full, a_blocks = block_ids(eng, "A")
+    c_full, c_blocks = block_ids(eng, "C")
+    batch = mine().input_batch
+    assert batch.req_ids[:batch.num_reqs] == [a_full, c_full]
+    batch.block_table.block_tables[0].block_table.np[1, 0] = a_blocks[0]  # C reads A's KV
+    begun = hook("execute_model").calls
+    step(eng)
+    assert hook("execute_model").calls == begun + 1  # a quiet step, begun in C
+    assert rt.violations() == []
+    dc = device()
+    dc._row_sweep = 1  # (the sweep's turn at C's row: 2 rows of 3 a check)
+    assert DeviceChecker.ROW_SWEEP == 2
+    add(eng, "D", [7] * 5, max_tokens=2)
+    step(eng)  # D joins: the step is begun in Python, and its rows checked
+    assert [(v.kind, v.blocks, v.owners, v.actor) for v in rt.violations()] == [
+        ("block_table_mismatch", [a_blocks[0]], [c_full], c_full)]
+    assert of(rt, "block_table_mismatch")[0].details == [
+        {"request": c_full, "entry": 0, "table": a_blocks[0], "given": c_blocks[0]}]
+    assert block_ids(eng, "C")[1] == c_blocks  # (no block since)
+    drain(eng)
+    assert len(rt.violations()) == 1  # reported once
 
 
 def test_a_block_cached_under_other_tokens_in_a_quiet_step(eng, rt, monkeypatch):

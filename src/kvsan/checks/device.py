@@ -284,7 +284,7 @@ class DeviceChecker:
         self.pending_sums: list = []
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0,
-                         "rows_checked": 0}
+                         "rows_checked": 0, "rows_swept": 0}
         #: whether the engine's block-table rows are checked (:meth:`check_rows`;
         #: set by the adapter where it can read them): then the requests
         #: that got blocks since the last row check (``rows_due``), and the
@@ -296,6 +296,8 @@ class DeviceChecker:
         #: request -> its row as last reported (the same wrong row is
         #: reported once, not at every check that finds it again)
         self._rows_reported: dict[str, list[int]] = {}
+        #: the batch row the next check's sweep starts at (:data:`ROW_SWEEP`)
+        self._row_sweep = 0
 
     # -- reporting ------------------------------------------------------------
     def _report(self, kind, message, blocks, owners, actor, details=None, step=None):
@@ -895,6 +897,13 @@ class DeviceChecker:
             details=[{"request": rid, "read_extent": read, "written_extent": wrote,
                       "table_blocks": len(table)}])
 
+    #: rows each check compares besides those that changed, round robin
+    #: over the batch: a row rewritten while its request stayed at the same
+    #: row, in steps that changed nothing in the worker view, is otherwise
+    #: compared only when its request next gets a block (up to a block's
+    #: worth of decode steps later, or never if it ends first)
+    ROW_SWEEP = 2
+
     def check_rows(self, batch_rids: list, rows, width: int, counts) -> None:
         """What each request's attention reads: its row of the engine's
         block table against the blocks the scheduler gave the request, in
@@ -906,7 +915,8 @@ class DeviceChecker:
         are read and never written, so the write guard does not see them.
         Compared for the requests that got blocks since the last row check
         and for those found at another row than then (moved, or new to the
-        batch): the work follows the rows that changed, not the batch.
+        batch), and :data:`ROW_SWEEP` more in turn: the work follows the
+        rows that changed, not the batch.
         ``batch_rids``: a list the caller does not keep (it is kept as the
         order of this check)."""
         due = self.rows_due
@@ -915,8 +925,6 @@ class DeviceChecker:
             n = len(before)
             due.update([r for i, r in enumerate(batch_rids) if i >= n or before[i] != r])
             self._row_order = batch_rids
-        if not due:
-            return
         held = self.req_blocks
         later = []
         checked = 0
@@ -930,15 +938,31 @@ class DeviceChecker:
                 later.append(rid)  # not in this step's batch: at the next check
                 continue
             checked += 1
-            k = len(mine)
-            start = i * width
-            if counts[i] != k or rows[start:start + k].tolist() != mine:
-                got = rows[start:start + int(counts[i])].tolist()
-                if self._rows_reported.get(rid) != got:
-                    self._rows_reported[rid] = got
-                    self._row_differs(rid, got, mine)
+            self._row_check(rid, i, mine, rows, width, counts)
         self.rows_due = set(later)
         self.counters["rows_checked"] += checked
+        n = len(batch_rids)
+        if n:
+            at, swept = self._row_sweep % n, 0
+            for i in range(at, at + min(self.ROW_SWEEP, n)):
+                i %= n
+                rid = batch_rids[i]
+                mine = held.get(rid)
+                if mine is not None and rid not in due:
+                    swept += 1
+                    self._row_check(rid, i, mine, rows, width, counts)
+            self._row_sweep = at + self.ROW_SWEEP
+            self.counters["rows_swept"] += swept
+
+    def _row_check(self, rid: str, i: int, mine: list[int], rows, width: int, counts) -> None:
+        """Request ``rid``'s row (batch row ``i``) against ``mine``."""
+        k = len(mine)
+        start = i * width
+        if counts[i] != k or rows[start:start + k].tolist() != mine:
+            got = rows[start:start + int(counts[i])].tolist()
+            if self._rows_reported.get(rid) != got:
+                self._rows_reported[rid] = got
+                self._row_differs(rid, got, mine)
 
     def _row_differs(self, rid: str, got: list[int], mine: list[int]) -> None:
         """Report request ``rid``'s block-table row ``got``, which differs
