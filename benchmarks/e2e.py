@@ -163,13 +163,16 @@ def summarize(got: dict, rounds: int, per_batch: int | None = None) -> dict:
     process's own ratio over all rounds (``processes``), against the off
     processes that ran beside it (lanes ``off#j`` of its batch, ``i //
     per_batch``: machine speed drifts between batches)."""
+    def setting_and_index(lane: str) -> tuple[str, int]:  # "setting#i", or "setting"
+        s, _, i = lane.partition("#")
+        return s, int(i or 0)
+
     procs: dict[str, list[dict]] = {}
     batch_of: dict[str, list[int]] = {}
-    for lane, g in sorted(got.items(), key=lambda kv: (kv[0].split("#")[0],
-                                                        int(kv[0].split("#")[1]))):
-        s, i = lane.split("#", 1)
+    for lane, g in sorted(got.items(), key=lambda kv: setting_and_index(kv[0])):
+        s, i = setting_and_index(lane)
         procs.setdefault(s, []).append(g)
-        batch_of.setdefault(s, []).append(int(i) // per_batch if per_batch else 0)
+        batch_of.setdefault(s, []).append(i // per_batch if per_batch else 0)
     per_round = {s: [sum(x["ns"] for g in gs for x in g["steps"] if x["round"] == k)
                      for k in range(rounds)] for s, gs in procs.items()}
     med_step = {s: statistics.median(x["ns"] for g in gs for x in g["steps"])
