@@ -37,8 +37,8 @@ class Config:
     #: emit structlog JSON lines on stderr (one per violation)
     log_events: bool = True
     #: device-side checksums of sealed blocks: "off", "all", or "sample"
-    #: with ``checksum_sample`` sealed blocks re-verified per step (prefix
-    #: hits are always verified unless off)
+    #: with ``checksum_sample`` sealed blocks that live requests hold
+    #: re-verified per step (prefix hits are always verified unless off)
     checksum: str = "sample"
     checksum_sample: int = 4
     #: fill blocks that leave every owner (and evicted blocks) with NaN

@@ -22,10 +22,10 @@ operations were also a host sync; the step's checks are dozens of them).
 * **checksums**: a cached block is sealed once every one of its slots has been
   written (counted from the slot mappings the forward used, or copied by
   copy-on-write) and the step that wrote it has executed; it is then
-  checksummed across layers and verified when served as a prefix hit and on
-  a sampled schedule (``checksum_mismatch``); a prefix hit on a block whose
-  slots are not all written by the end of the step that reads it is
-  ``uninitialized_hit`` (a same-step hit is legal: within a layer, vLLM
+  checksummed across layers and verified when served as a prefix hit and,
+  while live requests hold it, on a sampled schedule (``checksum_mismatch``);
+  a prefix hit on a block whose slots are not all written by the end of the
+  step that reads it is ``uninitialized_hit`` (a same-step hit is legal: within a layer, vLLM
   writes the batch's KV before attention reads it);
 * **poison**: blocks that leave every owner uncached (or are evicted) are
   NaN-filled, and zeroed again when handed out, so a stale reader sees
@@ -246,10 +246,15 @@ class DeviceChecker:
         #: dict as an ordered set (an eviction removes its blocks in O(1))
         self.pending_seal: dict[int, None] = {}
         self.sums: dict[int, tuple] = {}  # block -> per-layer checksums
-        #: the sampled verification's round robin: sealed blocks, the next
-        #: to verify on the left (a block unsealed since is dropped when
-        #: reached), and the set of blocks in it.  Taking a batch costs its
-        #: size, not the number of sealed blocks (a pool on a GPU has 1e5-1e6)
+        #: the sampled verification's round robin: sealed blocks that live
+        #: requests hold (read by their attention every step, with no other
+        #: check), the next to verify on the left, and the set of blocks in
+        #: it.  A block met that is no longer sealed, or no longer held,
+        #: leaves it; a held one comes back when a prefix hit takes it up
+        #: (a cached block nobody holds is verified when it is served, before
+        #: the step that reads it).  Taking a batch costs its size, not the
+        #: number of sealed blocks (a pool on a GPU has 1e5-1e6, mostly
+        #: cached and unheld: the sample goes to the blocks being read)
         self._sweep: deque[int] = deque()
         self._in_sweep: set[int] = set()
         self._tick = 0
@@ -500,7 +505,18 @@ class DeviceChecker:
                     holders[b] = {rid}
                 else:
                     h.add(rid)
+        if hits and self.checksum == "sample":  # (the round robin is only read there)
+            self._sweep_in([b for _, b in hits])
         return hits, fresh
+
+    def _sweep_in(self, blocks: list[int]) -> None:
+        """Sealed ``blocks``, now held, join the sampled round robin
+        (at its end) unless they are in it."""
+        sweep, in_sweep, sealed = self._sweep, self._in_sweep, self.sealed
+        for b in blocks:
+            if b not in in_sweep and b in sealed:
+                in_sweep.add(b)
+                sweep.append(b)
 
     # -- sealing --------------------------------------------------------------
     def _unseal(self, blocks: list[int]) -> None:
@@ -727,11 +743,7 @@ class DeviceChecker:
         for b in blocks:
             sealed[b] = now
         if self.checksum == "sample":  # the round robin is only read there
-            sweep, in_sweep = self._sweep, self._in_sweep
-            for b in blocks:
-                if b not in in_sweep:
-                    in_sweep.add(b)
-                    sweep.append(b)
+            self._sweep_in(blocks)
         self._put(2, blocks, True)
         self.counters["sealed"] += len(blocks)
         if self.on_sealed is not None:
@@ -1085,15 +1097,16 @@ class DeviceChecker:
         self.verify(layers, whys)
 
     def _sample(self, n: int) -> list[int]:
-        """The next ``n`` sealed blocks of the round robin (each at most
-        once), moved to its end; blocks met that are no longer sealed leave
-        it (each is met once, so a batch costs about ``n`` steps of the loop)."""
-        sweep, sealed, chosen = self._sweep, self.sealed, []
+        """The next ``n`` sealed, held blocks of the round robin (each at
+        most once), moved to its end; blocks met that are no longer sealed
+        or held leave it (each is met once and left once, so a batch costs
+        about ``n`` steps of the loop)."""
+        sweep, sealed, held, chosen = self._sweep, self.sealed, self.holders, []
         for _ in range(len(sweep)):
             if len(chosen) >= n:
                 break
             b = sweep.popleft()
-            if b in sealed:
+            if b in sealed and b in held:
                 chosen.append(b)
                 sweep.append(b)
             else:
