@@ -805,3 +805,81 @@ def test_a_gpu_runners_read_extents_are_copied_and_a_cpu_runners_read_in_place()
     assert vllm_inputs.record_reads(dc, runner)
     assert dc._reads_dev is None and all(isinstance(a, np.ndarray) for a in dc._reads)
     assert np.shares_memory(dc._reads[1], runner.positions.numpy())
+
+
+class _Batch:
+    """What ``_devicefast.check_rows`` reads of vLLM's V1 input batch: its
+    request ids by row (``None`` past the last) and their index."""
+
+    def __init__(self, rids: list):
+        self._req_ids = list(rids) + [None] * 2
+        self.req_id_to_index = {r: i for i, r in enumerate(rids)}
+
+
+def _rows_run(seed: int, fast) -> tuple:
+    """Seeded decode traffic with moved, joined and left rows, and rows
+    rewritten (an entry, a count) now and then: each step's row check by
+    ``fast.check_rows`` where it takes it, else ``DeviceChecker.check_rows``
+    (``fast`` None: always the method).  Returns the checker, its reports
+    and how many checks C took and declined."""
+    rng = random.Random(seed)
+    found: list = []
+    dc = DeviceChecker(64, BS, emit=found.append, checksum="off")
+    dc.rows_on = True
+    width, free, live, took, declined = 6, list(range(1, 64)), {}, 0, 0
+    for _ in range(60):
+        adds = []
+        for rid in list(live):
+            if rng.random() < 0.15:  # it ends
+                dc.drop_request(rid)
+                free += live.pop(rid)
+            elif rng.random() < 0.3 and len(live[rid]) < width and free:
+                live[rid].append(free.pop(0))
+                adds.append((rid, [live[rid][-1]], 0))
+        while len(live) < 5 and free:  # a request joins
+            rid = f"r{rng.randrange(10**6)}"
+            live[rid] = [free.pop(0)]
+            adds.append((rid, [live[rid][0]], 0))
+        dc.add_step(adds)
+        order = list(live)
+        if rng.random() < 0.5:
+            rng.shuffle(order)  # rows moved
+        rows = np.zeros((8, width), dtype=rng.choice([np.int32, np.int64]))
+        counts = np.zeros(8, dtype=np.int32)
+        for i, rid in enumerate(order):
+            rows[i, :len(live[rid])] = live[rid]
+            counts[i] = len(live[rid])
+        if order and rng.random() < 0.1:  # a rewritten entry, or a row's count
+            i = rng.randrange(len(order))
+            if rng.random() < 0.5:
+                rows[i, rng.randrange(counts[i])] = rng.randrange(1, 64)
+            else:
+                counts[i] += 1
+        flat = memoryview(rows).cast("B").cast(rows.dtype.char)
+        got = None if fast is None else fast.check_rows(dc, _Batch(order), flat, width,
+                                                          memoryview(counts))
+        if got is None:
+            declined += fast is not None
+            dc.check_rows(order, flat, width, memoryview(counts))
+        else:
+            took += 1
+    return dc, found, took, declined
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_row_check_in_one_call_agrees_with_the_checker(seed):
+    """``_devicefast.check_rows`` (the block-table row check of a step in one
+    C call) against DeviceChecker.check_rows: the same reports, and the
+    same row state after every step (rows due, the order last checked, the
+    sweep's turn, the counts).  It takes the steps whose rows all match and
+    leaves the others, unchanged, to the method."""
+    fast = native.load("_devicefast", native.DEVICEFAST_ABI)
+    assert fast is not None
+    dc, found, took, declined = _rows_run(seed, fast)
+    ref, ref_found, _, _ = _rows_run(seed, None)
+    assert found and {v.kind for v in found} == {"block_table_mismatch"}
+    assert _violations(found) == _violations(ref_found)
+    assert (dc.rows_due, dc._row_order, dc._row_sweep, dc.counters) == \
+        (ref.rows_due, ref._row_order, ref._row_sweep, ref.counters)
+    assert dc.counters["rows_swept"] > 0 and dc.counters["rows_checked"] > 0
+    assert took > 40 and declined >= len(found), (took, declined)

@@ -27,7 +27,7 @@
 
 #include "_slots.h"
 
-#define KVSAN_DEVICEFAST_ABI 5
+#define KVSAN_DEVICEFAST_ABI 6
 
 /* ------------------------------------------------------------ guard */
 
@@ -1020,6 +1020,273 @@ done:
     return out;
 }
 
+/* ------------------------------------------------------ check_rows */
+
+/* DeviceChecker.check_rows's attributes and the V1 input batch's, interned
+ * at import */
+enum { R_ROWS_DUE, R_ROW_ORDER, R_REQ_BLOCKS, R_ROW_SWEEP, R_SWEEP_N, R_COUNTERS, R_CHECKED,
+       R_SWEPT, R_REQ_IDS, R_INDEX, R_N };
+static const char *r_names[R_N] = {"rows_due", "_row_order", "req_blocks", "_row_sweep",
+                                   "ROW_SWEEP", "counters", "rows_checked", "rows_swept",
+                                   "_req_ids", "req_id_to_index"};
+static PyObject *r_str[R_N];
+
+/* a 1-d buffer of 4- or 8-byte ints, its items contiguous; 0 taken, -1 not
+ * (no exception: the caller declines) */
+static int
+int_buffer(PyObject *obj, Py_buffer *view)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+        PyErr_Clear();
+        return -1;
+    }
+    const char *f = view->format != NULL ? view->format : "B";
+    char code = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] : f[0];
+    if (view->ndim != 1 || (view->itemsize != 4 && view->itemsize != 8)
+        || (code != 'i' && code != 'l' && code != 'q')
+        || (view->strides != NULL && view->shape[0] > 1 && view->strides[0] != view->itemsize)) {
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* batch row ``i``'s first ``counts[i]`` entries of ``rows`` (``width`` a
+ * row) against the list ``mine``: 1 the same, 0 not, -1 not readable here */
+static int
+row_same(PyObject *mine, const Py_buffer *rows, Py_ssize_t width, const Py_buffer *counts,
+         Py_ssize_t i)
+{
+    if (!PyList_CheckExact(mine) || i >= counts->shape[0]) {
+        return -1;
+    }
+    Py_ssize_t k = PyList_GET_SIZE(mine), start = i * width;
+    if (load_int((const char *)counts->buf + i * counts->itemsize, counts->itemsize) != k) {
+        return 0;
+    }
+    if (start + k > rows->shape[0]) {
+        return 0;
+    }
+    const char *at = (const char *)rows->buf + start * rows->itemsize;
+    for (Py_ssize_t j = 0; j < k; j++, at += rows->itemsize) {
+        PyObject *x = PyList_GET_ITEM(mine, j);
+        if (!PyLong_CheckExact(x)) {
+            return -1;
+        }
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return -1;
+        }
+        if (v != load_int(at, rows->itemsize)) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* where ``rid`` is among the first ``n`` of ``ids``, or -1 (-2: an error) */
+static Py_ssize_t
+row_of(PyObject *ids, Py_ssize_t n, PyObject *rid)
+{
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (PyList_GET_ITEM(ids, i) == rid) {
+            return i;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int eq = PyObject_RichCompareBool(PyList_GET_ITEM(ids, i), rid, Py_EQ);
+        if (eq != 0) {
+            return eq < 0 ? -2 : i;
+        }
+    }
+    return -1;
+}
+
+/* check_rows(checker, batch, rows, width, counts)
+ *   DeviceChecker.check_rows for vLLM's V1 input batch (its requests read
+ *   where the batch keeps them: ``_req_ids``, ``len(req_id_to_index)``),
+ *   in one call: every row it compares matched, and the checker's row
+ *   state moved on as the method moves it -> True.  Any row that differs,
+ *   or anything read here in another form than expected -> None, nothing
+ *   changed: the caller runs the method, which finds and reports the
+ *   same.  Between two forward passes the method's frames and the batch's
+ *   properties cost about 30 µs a call (cold caches). */
+static PyObject *
+check_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "check_rows(checker, batch, rows, width, counts)");
+        return NULL;
+    }
+    PyObject *dc = args[0], *batch = args[1];
+    PyObject *o[R_N] = {NULL};
+    PyObject *due = NULL, *later = NULL, *it = NULL, *order = NULL, *ret = NULL;
+    Py_buffer rb, cb;
+    int have_r = 0, have_c = 0;
+    Py_ssize_t width = PyLong_AsSsize_t(args[3]);
+    if (width < 0) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    for (int i = 0; i < R_N; i++) {
+        if (i == R_CHECKED || i == R_SWEPT) {
+            continue;
+        }
+        o[i] = PyObject_GetAttr(i >= R_REQ_IDS ? batch : dc, r_str[i]);
+        if (o[i] == NULL) {
+            PyErr_Clear();
+            goto decline;
+        }
+    }
+    PyObject *ids = o[R_REQ_IDS], *before = o[R_ROW_ORDER], *held = o[R_REQ_BLOCKS];
+    if (!PyList_CheckExact(ids) || !PyDict_CheckExact(o[R_INDEX]) || !PySet_CheckExact(o[R_ROWS_DUE])
+        || !PyList_CheckExact(before) || !PyDict_CheckExact(held) || !PyDict_CheckExact(o[R_COUNTERS])
+        || !PyLong_CheckExact(o[R_ROW_SWEEP]) || !PyLong_CheckExact(o[R_SWEEP_N])) {
+        goto decline;
+    }
+    Py_ssize_t n = PyDict_GET_SIZE(o[R_INDEX]);
+    Py_ssize_t at = PyLong_AsSsize_t(o[R_ROW_SWEEP]), sweep = PyLong_AsSsize_t(o[R_SWEEP_N]);
+    if (n > PyList_GET_SIZE(ids) || at < 0 || sweep < 0) {
+        PyErr_Clear();
+        goto decline;
+    }
+    if (int_buffer(args[2], &rb) < 0) {
+        goto decline;
+    }
+    have_r = 1;
+    if (int_buffer(args[4], &cb) < 0) {
+        goto decline;
+    }
+    have_c = 1;
+    /* the rows due: those of the checker, and those at another row than at
+     * the last check (moved, or new to the batch) */
+    Py_ssize_t nb = PyList_GET_SIZE(before);
+    int same = nb == n;
+    if ((due = PySet_New(o[R_ROWS_DUE])) == NULL) {
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *r = PyList_GET_ITEM(ids, i);
+        int eq = 0;
+        if (i < nb) {
+            PyObject *b = PyList_GET_ITEM(before, i);
+            eq = b == r ? 1 : PyObject_RichCompareBool(b, r, Py_EQ);
+        }
+        if (eq < 0) {
+            goto fail;
+        }
+        if (!eq) {
+            same = 0;
+            if (PySet_Add(due, r) < 0) {
+                goto fail;
+            }
+        }
+    }
+    if ((later = PyList_New(0)) == NULL || (it = PyObject_GetIter(due)) == NULL) {
+        goto fail;
+    }
+    Py_ssize_t checked = 0, swept = 0;
+    PyObject *rid;
+    while ((rid = PyIter_Next(it)) != NULL) {
+        PyObject *mine = PyDict_GetItemWithError(held, rid);
+        Py_ssize_t i = mine == NULL ? -1 : row_of(ids, n, rid);
+        int r = i >= 0 ? row_same(mine, &rb, width, &cb, i) : 1;
+        if (mine != NULL && i == -1 && PyList_Append(later, rid) < 0) {
+            r = -2;
+        }
+        Py_DECREF(rid);
+        if (PyErr_Occurred() || i == -2 || r == -2) {
+            goto fail;
+        }
+        if (r != 1) {
+            goto decline;
+        }
+        checked += i >= 0;
+    }
+    if (PyErr_Occurred()) {
+        goto fail;
+    }
+    Py_ssize_t start = n ? at % n : 0;
+    for (Py_ssize_t t = 0; n && t < (sweep < n ? sweep : n); t++) {
+        Py_ssize_t i = (start + t) % n;
+        PyObject *r = PyList_GET_ITEM(ids, i);
+        PyObject *mine = PyDict_GetItemWithError(held, r);
+        if (mine == NULL) {
+            if (PyErr_Occurred()) {
+                goto fail;
+            }
+            continue;
+        }
+        int in = PySet_Contains(due, r);
+        if (in < 0) {
+            goto fail;
+        }
+        if (in) {
+            continue;
+        }
+        int s = row_same(mine, &rb, width, &cb, i);
+        if (s != 1) {
+            goto decline;
+        }
+        swept++;
+    }
+    /* all matched: the checker's row state, as the method leaves it */
+    if (!same) {
+        if ((order = PyList_GetSlice(ids, 0, n)) == NULL
+            || PyObject_SetAttr(dc, r_str[R_ROW_ORDER], order) < 0) {
+            goto fail;
+        }
+    }
+    Py_SETREF(due, PySet_New(later));
+    if (due == NULL || PyObject_SetAttr(dc, r_str[R_ROWS_DUE], due) < 0) {
+        goto fail;
+    }
+    PyObject *counts[2][2] = {{r_str[R_CHECKED], NULL}, {r_str[R_SWEPT], NULL}};
+    Py_ssize_t by[2] = {checked, swept};
+    for (int k = 0; k < 2; k++) {
+        PyObject *was = PyDict_GetItemWithError(o[R_COUNTERS], counts[k][0]);
+        PyObject *add = was == NULL ? NULL : PyLong_FromSsize_t(by[k]);
+        PyObject *sum = add == NULL ? NULL : PyNumber_Add(was, add);
+        Py_XDECREF(add);
+        if (sum == NULL || PyDict_SetItem(o[R_COUNTERS], counts[k][0], sum) < 0) {
+            Py_XDECREF(sum);
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_KeyError, "counters has no %R", counts[k][0]);
+            }
+            goto fail;
+        }
+        Py_DECREF(sum);
+    }
+    if (n) {
+        PyObject *next = PyLong_FromSsize_t(start + sweep);
+        if (next == NULL || PyObject_SetAttr(dc, r_str[R_ROW_SWEEP], next) < 0) {
+            Py_XDECREF(next);
+            goto fail;
+        }
+        Py_DECREF(next);
+    }
+    ret = Py_NewRef(Py_True);
+    goto done;
+decline:
+    ret = Py_NewRef(Py_None);
+    goto done;
+fail:
+    ret = NULL;
+done:
+    if (have_r) PyBuffer_Release(&rb);
+    if (have_c) PyBuffer_Release(&cb);
+    for (int i = 0; i < R_N; i++) {
+        Py_XDECREF(o[i]);
+    }
+    Py_XDECREF(due);
+    Py_XDECREF(later);
+    Py_XDECREF(it);
+    Py_XDECREF(order);
+    return ret;
+}
+
 /* simd([level]) -> the level in use (0 scalar, 1 AVX2, 2 AVX-512); with
  * ``level``, use that one (capped at what the CPU has): the tests compare
  * the levels */
@@ -1058,6 +1325,9 @@ static PyMethodDef methods[] = {
      "guard_step(checker, slot_mapping, batch_req_ids, n, tokens) -> the step's bad (block, "
      "writer) pairs, the step guarded; or None: not the common step, nothing changed (the "
      "caller runs DeviceChecker.guard)"},
+    {"check_rows", (PyCFunction)(void (*)(void))check_rows, METH_FASTCALL,
+     "check_rows(checker, batch, rows, width, counts) -> True: DeviceChecker.check_rows done, "
+     "every row compared matched; or None: nothing changed (the caller runs the method)"},
     {"checksums", (PyCFunction)(void (*)(void))checksums, METH_FASTCALL,
      "checksums(layers, blocks, weights, chunks) -> per block, a tuple of per-layer weighted "
      "word sums (None if a layer's rows are not contiguous)"},
@@ -1082,6 +1352,12 @@ PyInit__devicefast(void)
     simd_detect();
     for (int i = 0; i < G_N; i++) {
         if ((g_str[i] = PyUnicode_InternFromString(g_names[i])) == NULL) {
+            Py_DECREF(m);
+            return NULL;
+        }
+    }
+    for (int i = 0; i < R_N; i++) {
+        if ((r_str[i] = PyUnicode_InternFromString(r_names[i])) == NULL) {
             Py_DECREF(m);
             return NULL;
         }

@@ -14,7 +14,7 @@ import importlib
 #: :class:`kvsan.checks.device.DeviceChecker` is made.
 DEVICEFAST = None
 #: the version of ``kvsan._devicefast``'s interface this code calls (its ``ABI``)
-DEVICEFAST_ABI = 5
+DEVICEFAST_ABI = 6
 
 
 def load(name: str, abi: int):
