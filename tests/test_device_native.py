@@ -820,13 +820,13 @@ def _rows_run(seed: int, fast) -> tuple:
     """Seeded decode traffic with moved, joined and left rows, and rows
     rewritten (an entry, a count) now and then: each step's row check by
     ``fast.check_rows`` where it takes it, else ``DeviceChecker.check_rows``
-    (``fast`` None: always the method).  Returns the checker, its reports
-    and how many checks C took and declined."""
+    (``fast`` None: always the method).  Returns the checker's row state
+    after each step, its reports and how many checks C took and declined."""
     rng = random.Random(seed)
     found: list = []
     dc = DeviceChecker(64, BS, emit=found.append, checksum="off")
     dc.rows_on = True
-    width, free, live, took, declined = 6, list(range(1, 64)), {}, 0, 0
+    width, free, live, took, declined, states = 6, list(range(1, 64)), {}, 0, 0, []
     for _ in range(60):
         adds = []
         for rid in list(live):
@@ -863,7 +863,9 @@ def _rows_run(seed: int, fast) -> tuple:
             dc.check_rows(order, flat, width, memoryview(counts))
         else:
             took += 1
-    return dc, found, took, declined
+        states.append((sorted(dc.rows_due), list(dc._row_order), dc._row_sweep,
+                       dict(dc.counters)))
+    return states, found, took, declined
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -875,11 +877,10 @@ def test_the_row_check_in_one_call_agrees_with_the_checker(seed):
     leaves the others, unchanged, to the method."""
     fast = native.load("_devicefast", native.DEVICEFAST_ABI)
     assert fast is not None
-    dc, found, took, declined = _rows_run(seed, fast)
+    states, found, took, declined = _rows_run(seed, fast)
     ref, ref_found, _, _ = _rows_run(seed, None)
     assert found and {v.kind for v in found} == {"block_table_mismatch"}
     assert _violations(found) == _violations(ref_found)
-    assert (dc.rows_due, dc._row_order, dc._row_sweep, dc.counters) == \
-        (ref.rows_due, ref._row_order, ref._row_sweep, ref.counters)
-    assert dc.counters["rows_swept"] > 0 and dc.counters["rows_checked"] > 0
+    assert states == ref
+    assert states[-1][3]["rows_swept"] > 0 and states[-1][3]["rows_checked"] > 0
     assert took > 40 and declined >= len(found), (took, declined)

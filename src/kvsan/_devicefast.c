@@ -1243,17 +1243,17 @@ check_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
     if (due == NULL || PyObject_SetAttr(dc, r_str[R_ROWS_DUE], due) < 0) {
         goto fail;
     }
-    PyObject *counts[2][2] = {{r_str[R_CHECKED], NULL}, {r_str[R_SWEPT], NULL}};
+    PyObject *names[2] = {r_str[R_CHECKED], r_str[R_SWEPT]};
     Py_ssize_t by[2] = {checked, swept};
-    for (int k = 0; k < 2; k++) {
-        PyObject *was = PyDict_GetItemWithError(o[R_COUNTERS], counts[k][0]);
+    for (int k = 0; k < 2; k++) { /* counters[name] += by */
+        PyObject *was = PyDict_GetItemWithError(o[R_COUNTERS], names[k]);
         PyObject *add = was == NULL ? NULL : PyLong_FromSsize_t(by[k]);
         PyObject *sum = add == NULL ? NULL : PyNumber_Add(was, add);
         Py_XDECREF(add);
-        if (sum == NULL || PyDict_SetItem(o[R_COUNTERS], counts[k][0], sum) < 0) {
+        if (sum == NULL || PyDict_SetItem(o[R_COUNTERS], names[k], sum) < 0) {
             Py_XDECREF(sum);
             if (!PyErr_Occurred()) {
-                PyErr_Format(PyExc_KeyError, "counters has no %R", counts[k][0]);
+                PyErr_Format(PyExc_KeyError, "counters has no %R", names[k]);
             }
             goto fail;
         }

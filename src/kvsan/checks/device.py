@@ -25,8 +25,8 @@ operations were also a host sync; the step's checks are dozens of them).
   checksummed across layers and verified when served as a prefix hit and,
   while live requests hold it, on a sampled schedule (``checksum_mismatch``);
   a prefix hit on a block whose slots are not all written by the end of the
-  step that reads it is ``uninitialized_hit`` (a same-step hit is legal: within a layer, vLLM
-  writes the batch's KV before attention reads it);
+  step that reads it is ``uninitialized_hit`` (a same-step hit is legal:
+  within a layer, vLLM writes the batch's KV before attention reads it);
 * **poison**: blocks that leave every owner uncached (or are evicted) are
   NaN-filled, and zeroed again when handed out, so a stale reader sees
   non-finite values instead of passing by luck.
