@@ -1031,18 +1031,18 @@ static const char *r_names[R_N] = {"rows_due", "_row_order", "req_blocks", "_row
                                    "_req_ids", "req_id_to_index"};
 static PyObject *r_str[R_N];
 
-/* a 1-d buffer of 4- or 8-byte ints, its items contiguous; 0 taken, -1 not
- * (no exception: the caller declines) */
+/* a 1-d buffer (get_1d) of 4- or 8-byte ints, its items contiguous; 0
+ * taken, -1 not (no exception: the caller declines) */
 static int
 int_buffer(PyObject *obj, Py_buffer *view)
 {
-    if (PyObject_GetBuffer(obj, view, PyBUF_STRIDES | PyBUF_FORMAT) < 0) {
+    if (get_1d(obj, view, 0, 0, "rows") < 0) {
         PyErr_Clear();
         return -1;
     }
     const char *f = view->format != NULL ? view->format : "B";
     char code = f[0] == '<' || f[0] == '=' || f[0] == '@' ? f[1] : f[0];
-    if (view->ndim != 1 || (view->itemsize != 4 && view->itemsize != 8)
+    if ((view->itemsize != 4 && view->itemsize != 8)
         || (code != 'i' && code != 'l' && code != 'q')
         || (view->strides != NULL && view->shape[0] > 1 && view->strides[0] != view->itemsize)) {
         PyBuffer_Release(view);
