@@ -129,8 +129,23 @@ LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
          "absent": {"VLLM_PLUGINS": "none"}}
 
 
-def bench(models=None, rounds: int = 4, groups: int = 6, per_group: int = 5, seed: int = 0,
-          absent: bool = True, procs: int = 2, batches: int = 2) -> dict:
+#: rounds of the workload per lane, by model, where ``bench`` is not given
+#: them.  A round's CPU time varies by about 2.5% from one round to the next
+#: in the same process (the machine's memory traffic, not kvsan: identical
+#: off lanes vary as much), so four pooled processes of four rounds read
+#: the tiny model's default anywhere in about a 1.5% band (one standard
+#: deviation 0.8%), as wide as kvsan's whole cost there.  Twelve rounds
+#: make two sets of three identical off processes agree to 0.36% (one
+#: standard deviation; 0.9% with four rounds).  A tiny round is 0.8 s, so
+#: they cost 2-3 minutes; the medium model's step is three times longer
+#: and its rounds already agree within 1%.
+MODEL_ROUNDS = {"tiny (2x256)": 12, "medium (4x512)": 4}
+
+
+def bench(models=None, rounds: int | None = None, groups: int = 6, per_group: int = 5,
+          seed: int = 0, absent: bool = True, procs: int = 2, batches: int = 2) -> dict:
+    """``rounds``: of the workload per lane, for every model; by default
+    :data:`MODEL_ROUNDS` (4 for a model not named there)."""
     from . import lanes
 
     if models is None:
@@ -139,15 +154,16 @@ def bench(models=None, rounds: int = 4, groups: int = 6, per_group: int = 5, see
         models = {"tiny (2x256)": ensure_tiny_model(), "medium (4x512)": ensure_medium_model()}
     res = {}
     for i, (name, path) in enumerate(models.items()):
+        n_rounds = rounds if rounds is not None else MODEL_ROUNDS.get(name, 4)
         settings = [s for s in LANES if s != "off" and (absent and i == 0 or s != "absent")]
         code = (f"from benchmarks.e2e import serve_lane; "
-                f"serve_lane({path!r}, {rounds}, {groups}, {per_group}, {seed})")
+                f"serve_lane({path!r}, {n_rounds}, {groups}, {per_group}, {seed})")
         for s in settings:  # each against its own off processes
             got = {}
             for b in range(batches):  # fresh processes, the same lanes at a time
                 got.update(lanes.run({f"{x}#{b * procs + p}": (code, LANES[x])
                                       for x in ("off", s) for p in range(procs)}))
-            part = summarize(got, rounds, per_batch=procs)
+            part = summarize(got, n_rounds, per_batch=procs)
             part["batches"] = batches
             if name not in res:
                 res[name] = part
@@ -234,14 +250,15 @@ def markdown(res: dict) -> str:
             share, dev = e[s].get("kvsan_share"), e[s].get("device_share")
             label = "off (KVSAN unset) vs not loaded" if s == "absent" else s
             each = e[s].get("processes") or []
-            rows.append([name, label, f"{e['tokens']} tok / {e['steps']} steps",
+            rows.append([name, label, f"{e['tokens']} tok / {e['steps']} steps, "
+                         f"{e['rounds']} rounds",
                          f"{e['off_tok_s']:.0f}", f"{e['off_step_ms']:.2f}",
                          f"**{e[s]['throughput_all']:.3f}x** ({ratio_cell(e[s]['throughput'])})",
                          " / ".join(f"{x:.3f}x" for x in each) or "-",
                          f"{e[s]['step'][0]:.3f}x",
                          f"{median(share) * 100:.1f}% ({median(dev) * 100:.1f}% device)"
                          if share else "-"])
-    return table(["model", "setting", "workload per round", "off tok per CPU-s",
+    return table(["model", "setting", "workload per round, rounds", "off tok per CPU-s",
                   "off step CPU ms (median)", "throughput / off (all rounds; per round "
                   "median, min-max)", "each process / off, all rounds",
                   "median step latency / off",
