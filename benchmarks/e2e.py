@@ -133,12 +133,12 @@ LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
 #: them.  A round's CPU time varies by about 2.5% from one round to the next
 #: in the same process (the machine's memory traffic, not kvsan: identical
 #: off lanes vary as much), so four pooled processes of four rounds read
-#: the tiny model's default anywhere in about a 1.5% band (one standard
-#: deviation 0.8%), as wide as kvsan's whole cost there.  Twelve rounds
-#: make two sets of three identical off processes agree to 0.36% (one
-#: standard deviation; 0.9% with four rounds).  A tiny round is 0.8 s, so
-#: they cost 2-3 minutes; the medium model's step is three times longer
-#: and its rounds already agree within 1%.
+#: the tiny model's default anywhere in about a 1.5% band, as wide as
+#: kvsan's whole cost there.  ``python -m benchmarks.aa`` (two halves of six
+#: identical off lanes, every split): one standard deviation 0.55-0.91%
+#: with four rounds, 0.36-0.40% with twelve.  A tiny round is 0.8 s, so
+#: twelve cost 2-3 minutes more; the medium model's step is three times
+#: longer and its four rounds already agree within 1%.
 MODEL_ROUNDS = {"tiny (2x256)": 12, "medium (4x512)": 4}
 
 
