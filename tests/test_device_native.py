@@ -610,6 +610,42 @@ def test_the_sampled_round_robin_visits_each_sealed_block_once_per_sweep(monkeyp
     assert sweep(1) == [[5, 6]]
 
 
+def test_a_block_verified_at_a_prefix_hit_passes_its_next_turn_in_the_round_robin(monkeypatch):
+    """``sample:1`` over 24 sealed blocks held by one request: prefix hits
+    on blocks 3 and 20 are verified in the step of the first sampled batch.
+    Block 3's turn is in that batch and block 20's in the third: both pass
+    without a second verification, the round robin still moves on by 8
+    turns a batch, and the next sweep verifies every block again (a hit
+    counts for one turn only).  A scribble on block 20 after its hit is
+    found by that next sweep."""
+    found: list = []
+    dc = DeviceChecker(32, 1, emit=found.append, checksum="sample", checksum_sample=1)
+    layers = [torch.zeros(32, 2)]
+    blocks = list(range(1, 25))
+    dc.add_step([("r", blocks, 0)])
+    dc.guard(torch.arange(1, 25), ["r"], [24])
+    dc.will_seal(blocks)
+    dc.seal(layers)
+    batches: list = []
+    verify = dc.verify
+    monkeypatch.setattr(dc, "verify", lambda layers, whys: (batches.append(dict(whys)),
+                                                            verify(layers, whys)))
+    every = DeviceChecker.SAMPLE_BATCH_STEPS
+    for k in range(3 * every):
+        dc.verify_step(layers, [3, 20] if k == every - 1 else ())
+    hits = dict.fromkeys([3, 20], "at prefix hit")
+    assert batches == [{**hits, **dict.fromkeys([1, 2, 4, 5, 6, 7, 8], "sampled")},
+                       dict.fromkeys(blocks[8:16], "sampled"),
+                       dict.fromkeys([17, 18, 19, 21, 22, 23, 24], "sampled")]
+    layers[0][20, 1] += 1  # a scribble after block 20's hit
+    del batches[:]
+    for _ in range(3 * every):
+        dc.verify_step(layers)
+    assert [list(b) for b in batches] == [blocks[:8], blocks[8:16], blocks[16:]]
+    assert [(v.kind, v.blocks, v.owners) for v in found] == \
+        [("checksum_mismatch", [20], ["r"])]
+
+
 def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
     """``sample:N`` with the first sealings' checksums still being copied
     back from the device (no checksum taken up yet): the sampled step

@@ -257,6 +257,13 @@ class DeviceChecker:
         #: cached and unheld: the sample goes to the blocks being read)
         self._sweep: deque[int] = deque()
         self._in_sweep: set[int] = set()
+        #: sealed blocks verified at a prefix hit since their last turn in
+        #: the round robin: their next turn passes without a second
+        #: verification.  Each held block is still verified at least once
+        #: per sweep, and the sample goes to the blocks no hit verifies (a
+        #: system prompt's blocks, hit by every new request, are verified
+        #: there already)
+        self._hit_verified: set[int] = set()
         self._tick = 0
         self._weights: dict[int, torch.Tensor] = {}
         self._chunks_host = chunk_multipliers(0)
@@ -522,9 +529,11 @@ class DeviceChecker:
     def _unseal(self, blocks: list[int]) -> None:
         if self.pending_guard is not None:
             self._settle()
+        hit_verified = self._hit_verified
         for b in blocks:
             self.sealed.pop(b, None)
             self.sums.pop(b, None)
+            hit_verified.discard(b)
         self._put(2, blocks, False)
 
     def uncache(self, blocks: Iterable[int]) -> None:
@@ -541,6 +550,7 @@ class DeviceChecker:
         self._unseal(list(self.sealed))
         self._sweep.clear()
         self._in_sweep.clear()
+        self._hit_verified.clear()
         self.pending_seal.clear()
 
     def will_seal(self, blocks: Iterable[int], links=None) -> None:
@@ -1091,26 +1101,38 @@ class DeviceChecker:
         if self.checksum == "all":
             for b in self.sums:
                 whys.setdefault(b, "every step")
-        elif self._tick % self.SAMPLE_BATCH_STEPS == 0:
-            for b in self._sample(self.checksum_sample * self.SAMPLE_BATCH_STEPS):
-                whys.setdefault(b, "sampled")
+        elif self.checksum == "sample":
+            if hit_blocks:  # (verified below: sealed ones are checked)
+                sealed = self.sealed
+                self._hit_verified.update(b for b in hit_blocks if b in sealed)
+            if self._tick % self.SAMPLE_BATCH_STEPS == 0:
+                for b in self._sample(self.checksum_sample * self.SAMPLE_BATCH_STEPS):
+                    whys.setdefault(b, "sampled")
         self.verify(layers, whys)
 
     def _sample(self, n: int) -> list[int]:
-        """The next ``n`` sealed, held blocks of the round robin (each at
-        most once), moved to its end; blocks met that are no longer sealed
-        or held leave it (each is met once and left once, so a batch costs
-        about ``n`` steps of the loop)."""
+        """The blocks to verify among the next ``n`` turns of the round
+        robin: sealed, held blocks (each at most once), moved to its end,
+        less those verified at a prefix hit since their last turn (this
+        step's hits among them), whose turn passes.  Blocks met that are no
+        longer sealed or held leave it (each is met once and left once, so
+        a batch costs about ``n`` steps of the loop)."""
         sweep, sealed, held, chosen = self._sweep, self.sealed, self.holders, []
+        hit_verified, turns = self._hit_verified, 0
         for _ in range(len(sweep)):
-            if len(chosen) >= n:
+            if turns >= n:
                 break
             b = sweep.popleft()
             if b in sealed and b in held:
-                chosen.append(b)
+                turns += 1
                 sweep.append(b)
+                if b in hit_verified:
+                    hit_verified.discard(b)
+                else:
+                    chosen.append(b)
             else:
                 self._in_sweep.discard(b)
+                hit_verified.discard(b)
         return chosen
 
     # -- poison -----------------------------------------------------------------
