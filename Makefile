@@ -16,7 +16,7 @@ demo: setup
 test: setup
 	.venv/bin/python -m pytest -q
 
-# kvsan's overhead, side by side (off / default / strict); about 14 minutes on
+# kvsan's overhead, side by side (off / default / strict); about 15 minutes on
 # 2 cores; writes benchmarks/results.md (see README, Performance)
 bench: setup
 	.venv/bin/python -m benchmarks

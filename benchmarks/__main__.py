@@ -1,6 +1,6 @@
 """Run kvsan's overhead benchmarks and write a markdown results table.
 
-    .venv/bin/python -m benchmarks                 # everything (~14 min on 2 cores)
+    .venv/bin/python -m benchmarks                 # everything (~15 min on 2 cores)
     .venv/bin/python -m benchmarks --only sched,events
     .venv/bin/python -m benchmarks --quick         # tiny sizes: a smoke run
 
