@@ -51,8 +51,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.procs < 2:
         ap.error("--procs must be at least 2")
-    print(f"| rounds | lanes | half against half: sd (min-max) | each lane / their mean |\n"
-          f"|---|---|---|---|")
+    print("| rounds | lanes | half against half: sd (min-max) | each lane / their mean |\n"
+          "|---|---|---|---|")
     for r in args.rounds:
         s = spread(r, args.procs)
         print(f"| {r} | {s['procs']} | {s['sd'] * 100:.2f}% ({s['min']:.4f}-{s['max']:.4f}) | "

@@ -2,6 +2,7 @@
 table.  No timing asserts (figures come from ``python -m benchmarks``)."""
 
 import os
+import statistics
 import sys
 
 import pytest
@@ -141,3 +142,34 @@ def test_workercost_times_the_worker_side_on_the_engine():
                  "execute_model (native hook)"):
         assert rows[name]["calls_per_step"] > 0 and rows[name]["us_per_call"] > 0, name
     assert "inclusive" in workercost.markdown(res)
+
+
+def test_e2e_rounds_by_model(monkeypatch):
+    """Without ``rounds``, each model runs its own (``MODEL_ROUNDS``: the
+    tiny model twelve, a model not named there four)."""
+    from benchmarks import e2e, lanes
+
+    codes = []
+    monkeypatch.setattr(lanes, "run", lambda spec: codes.extend(c for c, _ in spec.values()) or {})
+    monkeypatch.setattr(e2e, "summarize", lambda got, rounds, per_batch=None: {
+        "rounds": rounds, "default": None, "strict": None, "absent": None})
+    res = e2e.bench(models={"tiny (2x256)": "t", "other": "o"})
+    assert {name: e["rounds"] for name, e in res.items()} == {"tiny (2x256)": 12, "other": 4}
+    assert all("serve_lane('t', 12," in c for c in codes if "'t'" in c)
+    assert all("serve_lane('o', 4," in c for c in codes if "'o'" in c)
+
+
+def test_aa_spread(monkeypatch):
+    """``benchmarks.aa``: every split of the identical lanes into two
+    halves, one half's throughput over the other's, and each lane against
+    their mean (lanes stubbed: one of four 20% slower)."""
+    from benchmarks import aa, lanes
+
+    monkeypatch.setattr("kvsan.tinymodel.ensure_tiny_model", lambda: "tiny")
+    monkeypatch.setattr(lanes, "run", lambda spec: {
+        lane: {"steps": [{"ns": int(1e6 * (1.2 if lane == "off#3" else 1.0)), "round": 0}]}
+        for lane in spec})
+    s = aa.spread(1, 4)
+    assert s["each"] == pytest.approx([1.05, 1.05, 1.05, 1.05 / 1.2])
+    assert (s["min"], s["max"]) == pytest.approx((1 / 1.1, 1.1))
+    assert s["sd"] == pytest.approx(statistics.pstdev([1.1] * 3 + [1 / 1.1] * 3))
