@@ -570,6 +570,19 @@ def test_pending_blocks_whose_producer_left_unfinished_are_dropped():
     assert not dc.pending_seal and list(dc.sealed) == [6]
 
 
+def _sealed_and_held(emit):
+    """A ``sample:1`` checker (block size 1) whose blocks 1-24 are written,
+    sealed and held by request r: (checker, layers, blocks)."""
+    dc = DeviceChecker(32, 1, emit=emit, checksum="sample", checksum_sample=1)
+    layers = [torch.zeros(32, 2)]
+    blocks = list(range(1, 25))
+    dc.add_step([("r", blocks, 0)])
+    dc.guard(torch.arange(1, 25), ["r"], [24])
+    dc.will_seal(blocks)
+    dc.seal(layers)
+    return dc, layers, blocks
+
+
 def test_the_sampled_round_robin_visits_each_sealed_block_once_per_sweep(monkeypatch):
     """``sample:1`` over 24 sealed blocks: each batch of 8 takes the next 8
     of the round robin, so a sweep of three batches verifies every block
@@ -577,13 +590,7 @@ def test_the_sampled_round_robin_visits_each_sealed_block_once_per_sweep(monkeyp
     and come back at its end when sealed again; so do blocks no live
     request holds (verified when served), which come back when a prefix
     hit takes them up."""
-    dc = DeviceChecker(32, 1, emit=lambda v: None, checksum="sample", checksum_sample=1)
-    layers = [torch.zeros(32, 2)]
-    blocks = list(range(1, 25))
-    dc.add_step([("r", blocks, 0)])
-    dc.guard(torch.arange(1, 25), ["r"], [24])
-    dc.will_seal(blocks)
-    dc.seal(layers)
+    dc, layers, blocks = _sealed_and_held(lambda v: None)
     batches = []
     monkeypatch.setattr(dc, "verify", lambda layers, whys: batches.append(list(whys)))
 
@@ -619,13 +626,7 @@ def test_a_block_verified_at_a_prefix_hit_passes_its_next_turn_in_the_round_robi
     counts for one turn only).  A scribble on block 20 after its hit is
     found by that next sweep."""
     found: list = []
-    dc = DeviceChecker(32, 1, emit=found.append, checksum="sample", checksum_sample=1)
-    layers = [torch.zeros(32, 2)]
-    blocks = list(range(1, 25))
-    dc.add_step([("r", blocks, 0)])
-    dc.guard(torch.arange(1, 25), ["r"], [24])
-    dc.will_seal(blocks)
-    dc.seal(layers)
+    dc, layers, blocks = _sealed_and_held(found.append)
     batches: list = []
     verify = dc.verify
     monkeypatch.setattr(dc, "verify", lambda layers, whys: (batches.append(dict(whys)),
