@@ -27,10 +27,9 @@ def spread(rounds: int, procs: int) -> dict:
     every split into two halves, and each lane against their mean."""
     from kvsan.tinymodel import ensure_tiny_model
 
-    from . import lanes
+    from . import e2e, lanes
 
-    code = (f"from benchmarks.e2e import serve_lane; "
-            f"serve_lane({ensure_tiny_model()!r}, {rounds}, 6, 5, 0)")
+    code = e2e.lane_code(ensure_tiny_model(), rounds)
     got = lanes.run({f"off#{p}": (code, ENV["off"]) for p in range(procs)})
     each = [sum(x["ns"] for x in g["steps"]) for g in got.values()]
     mean = statistics.mean(each)

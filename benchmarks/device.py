@@ -36,8 +36,7 @@ def bench(model: str, rounds: int = 3, seed: int = 0) -> dict:
     for name, env in SETTINGS.items():
         code = (("import kvsan.plugin as p; p._install_device_hooks = lambda *a: None\n"
                  if env.get("_NO_DEVICE") else "") +
-                f"from benchmarks.e2e import serve_lane; serve_lane({model!r}, {rounds}, 6, 5, "
-                f"{seed})")
+                e2e.lane_code(model, rounds, seed=seed))
         spec[name] = (code, {k: v for k, v in env.items() if not k.startswith("_")})
     got = lanes.run(spec)
     e2e.summarize(got, rounds)  # the same outputs everywhere, no violation

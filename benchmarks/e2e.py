@@ -124,6 +124,14 @@ def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int,
     lanes.serve(stepper)
 
 
+def lane_code(model: str, rounds: int, groups: int = 6, per_group: int = 5,
+              seed: int = 0) -> str:
+    """The Python a lane process runs (:func:`serve_lane`): the benchmark's
+    traffic (``groups`` x ``per_group`` requests a round) on ``model``."""
+    return (f"from benchmarks.e2e import serve_lane; "
+            f"serve_lane({model!r}, {rounds}, {groups}, {per_group}, {seed})")
+
+
 #: the lanes: setting -> environment (KVSAN unset for off, as users run it)
 LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
          "absent": {"VLLM_PLUGINS": "none"}}
@@ -156,8 +164,7 @@ def bench(models=None, rounds: int | None = None, groups: int = 6, per_group: in
     for i, (name, path) in enumerate(models.items()):
         n_rounds = rounds if rounds is not None else MODEL_ROUNDS.get(name, 4)
         settings = [s for s in LANES if s != "off" and (absent and i == 0 or s != "absent")]
-        code = (f"from benchmarks.e2e import serve_lane; "
-                f"serve_lane({path!r}, {n_rounds}, {groups}, {per_group}, {seed})")
+        code = lane_code(path, n_rounds, groups, per_group, seed)
         for s in settings:  # each against its own off processes
             got = {}
             for b in range(batches):  # fresh processes, the same lanes at a time

@@ -121,7 +121,7 @@ def bench(rounds: int = 3, seed: int = 0, model: str | None = None) -> dict:
         from kvsan.tinymodel import ensure_tiny_model
 
         model = ensure_tiny_model()
-    plain = f"from benchmarks.e2e import serve_lane; serve_lane({model!r}, {rounds}, 6, 5, {seed})"
+    plain = e2e.lane_code(model, rounds, seed=seed)
     timed = f"from benchmarks.workercost import serve_lane; serve_lane({model!r}, {rounds}, {seed})"
     got = lanes.run({"off": (plain, ENV["off"]), "default": (timed, ENV["default"])})
     e2e.summarize(got, rounds)  # the same outputs in both lanes, no violation
