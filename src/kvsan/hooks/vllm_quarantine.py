@@ -101,13 +101,28 @@ def _reset(wrapped, instance, args, kwargs):
 def _pressure_free(wrapped, instance, args, kwargs):
     blocks = list(args[0]) if args else list(kwargs.pop("ordered_blocks"))
     ret = wrapped(blocks, *args[1:], **kwargs)
-    cached = [b for b in _freed(instance, blocks) if b.block_hash is not None]
+    rt = _rt.get()
+    if rt is None or instance not in rt.checkers:
+        return ret  # (kvsan off, or a host/offload pool it does not watch)
+    # guarded like every hook: in log mode a failure here is counted as
+    # kvsan's own error, never raised into the engine's free path
+    _guard(rt, "pressure", _to_head, instance, blocks)
+    return ret
+
+
+def _to_head(pool, blocks) -> None:
+    """Move the cached blocks that ``blocks`` just freed from the tail of
+    ``pool``'s free queue (vLLM's LRU order for cached blocks) to its head,
+    where the next allocation takes them.  vLLM already puts freed uncached
+    blocks at the head (LIFO), so only cached ones move.  The blocks are
+    chosen before the queue is touched: a failure while choosing leaves the
+    queue as the engine left it."""
+    cached = [b for b in _freed(pool, blocks) if b.block_hash is not None]
     if cached:
-        q = instance.free_block_queue
+        q = pool.free_block_queue
         for b in cached:
             q.remove(b)
         q.prepend_n(cached)
-    return ret
 
 
 def install(cfg) -> list[str]:

@@ -1,0 +1,157 @@
+"""``KVSAN_QUARANTINE=pressure`` on vLLM's real KVCacheManager / BlockPool:
+what it is for (a premature free of a cached block is reused at once, so it
+shows up as ``reuse_with_live_owners`` instead of passing by luck), and that
+its hook, like every kvsan hook, never raises its own failure into the
+engine in ``log`` mode."""
+
+import dataclasses
+
+import pytest
+
+from conftest import kinds_of, only
+from vllm_objects import make_manager, make_request, schedule
+
+pytestmark = pytest.mark.engine
+
+PREFIX = list(range(48))  # three full blocks of 16: cached once computed
+
+
+@pytest.fixture
+def pressure(rt):
+    """The pressure hook installed as the plugin installs it for
+    ``KVSAN_QUARANTINE=pressure`` (outside kvsan's allocator hooks)."""
+    from kvsan.config import Config
+    from kvsan.hooks import vllm_quarantine
+
+    assert vllm_quarantine.install(Config(enabled=True, pressure=True)) == \
+        ["quarantine:BlockPool.free_blocks"]
+    try:
+        yield rt
+    finally:
+        vllm_quarantine.uninstall()
+
+
+def end(m, req, status="FINISHED_STOPPED"):
+    from vllm.v1.request import RequestStatus
+
+    req.status = RequestStatus[status]
+    m.free(req)
+
+
+def shared_prefix_then_abort(rt):
+    """A and B share three cached prefix blocks; A is cancelled with the
+    ``double_unref_on_abort`` fault, which frees them while B still reads
+    them.  Returns the manager and the shared block ids."""
+    from kvsan import faults
+
+    m = make_manager(12)  # 11 usable blocks: A takes 4, B 1, 6 never used
+    a = make_request(PREFIX + [1000, 1001], "A")
+    b = make_request(PREFIX + [2000, 2001], "B")
+    assert schedule(m, a) == 0 and schedule(m, b) == 48
+    shared = m.get_block_ids("B")[0][:3]
+    faults.inject("double_unref_on_abort")
+    end(m, a, "FINISHED_ABORTED")
+    fwl = only(rt, "free_with_live_owners")
+    assert sorted(v.blocks[0] for v in fwl) == sorted(shared)
+    assert all(v.owners == ["B"] for v in fwl)  # (no owner frame above the fault here)
+    return m, shared
+
+
+def next_allocation(m, rt):
+    """A new request C (no shared prefix) takes one block; returns its id."""
+    rt.clear()
+    c = make_request(list(range(5000, 5010)), "C")
+    assert schedule(m, c) == 0
+    return m.get_block_ids("C")[0][0]
+
+
+def test_without_pressure_the_early_free_is_not_reused_at_once(rt):
+    """The baseline: vLLM queues a freed cached block at the tail (LRU), so
+    the next allocation takes another block and the premature free goes
+    unnoticed by any reuse (B keeps reading blocks nobody overwrote yet)."""
+    m, shared = shared_prefix_then_abort(rt)
+    assert next_allocation(m, rt) not in shared
+    assert kinds_of(rt) == []
+
+
+def test_pressure_makes_the_early_free_reused_by_the_next_allocation(pressure):
+    """With pressure the wrongly freed blocks go to the head of the free
+    queue: the very next allocation (C's) takes one while B still owns it."""
+    rt = pressure
+    m, shared = shared_prefix_then_abort(rt)
+    got = next_allocation(m, rt)
+    assert got == shared[0]  # the fault frees them in prefix order; the head is first
+    reuse = only(rt, "reuse_with_live_owners")
+    assert [(v.blocks, v.owners, v.actor) for v in reuse] == [([got], ["B"], "C")]
+    evict = only(rt, "evict_with_live_owners")  # it was cached: its key is dropped too
+    assert [(v.blocks, v.owners) for v in evict] == [([got], ["B"])]
+    assert set(kinds_of(rt)) == {"reuse_with_live_owners", "evict_with_live_owners"}
+
+
+def test_pressure_on_clean_traffic_reports_nothing(pressure):
+    """A legal free under pressure: the freed cached blocks are reused
+    first, and a prefix hit still revives them; zero violations."""
+    rt = pressure
+    m = make_manager(12)
+    a = make_request(PREFIX + [1000], "A")
+    schedule(m, a)
+    prefix = m.get_block_ids("A")[0][:3]
+    end(m, a)
+    pool = m.block_pool
+    head = pool.free_block_queue.fake_free_list_head.next_free_block
+    assert head.block_id in prefix  # moved from the tail to the head
+    b = make_request(PREFIX + [2000], "B")
+    assert schedule(m, b) == 48  # still a prefix hit: the cache key was kept
+    end(m, b)
+    c = make_request(list(range(7000, 7000 + 16 * 4)), "C")
+    schedule(m, c)  # takes the freed cached blocks first (evicting them)
+    assert set(m.get_block_ids("C")[0]) & set(prefix)
+    end(m, c)
+    assert kinds_of(rt) == []
+
+
+@pytest.mark.own_errors
+def test_a_failure_in_the_pressure_hook_does_not_reach_vllm(pressure, monkeypatch):
+    """log mode: an exception inside the hook's own code is counted as
+    kvsan's error (site ``pressure``) and the engine's free completes."""
+    from kvsan.hooks import vllm_quarantine
+
+    rt = pressure
+
+    def broken(pool, blocks):
+        raise RuntimeError("kvsan bug")
+
+    monkeypatch.setattr(vllm_quarantine, "_freed", broken)
+    m = make_manager(12)
+    a = make_request(PREFIX + [1000], "A")
+    schedule(m, a)
+    before = rt.reporter.internal_errors
+    end(m, a)  # must not raise
+    assert rt.reporter.internal_errors == before + 1
+    assert "pressure" in rt.reporter._error_sites
+    assert m.block_pool.get_num_free_blocks() == 11  # vLLM's own free happened
+    assert kinds_of(rt) == []
+
+
+def test_a_violation_still_propagates_through_the_pressure_hook_in_raise_mode(pressure):
+    """raise mode: the violation found inside the engine's free (kvsan's
+    allocator hooks run within the pressure wrapper) reaches the caller."""
+    from kvsan import KVSanViolation
+
+    rt = pressure
+    m = make_manager(12)
+    a = make_request(PREFIX + [1000, 1001], "A")
+    b = make_request(PREFIX + [2000, 2001], "B")
+    schedule(m, a)
+    schedule(m, b)
+    shared = m.get_block_ids("B")[0][0]
+    m.block_pool.blocks[shared].ref_cnt -= 1  # a lost reference: A's free frees it
+    saved = rt.reporter.config
+    rt.reporter.config = dataclasses.replace(saved, mode="raise")
+    try:
+        with pytest.raises(KVSanViolation) as e:
+            end(m, a)
+    finally:
+        rt.reporter.config = saved
+    v = e.value.violation
+    assert (v.kind, v.blocks, v.owners, v.actor) == ("free_with_live_owners", [shared], ["B"], "A")
