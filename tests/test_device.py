@@ -120,6 +120,22 @@ def test_clean_traffic_strictest_settings(eng, rt):
     assert next(iter(vllm_identity._audits.values())).checked > 0
 
 
+def test_clean_traffic_with_heavy_eviction_strictest_settings(eng, rt):
+    """Seeded traffic on the 12-block pool at ``all`` + poison: cached
+    blocks are evicted and handed out again (LIFO off the free queue) all
+    the time, and each evicted sealed block is verified before the step
+    that rewrites it (and before poison could touch it): legal reuse gives
+    no report."""
+    from kvsan import traffic
+
+    dc = device()
+    before = dc.counters["verified_evicted"]
+    res = traffic.run(eng, seed=11, groups=5, per_group=4)
+    assert res.finished > 0
+    assert rt.violations() == []
+    assert dc.counters["verified_evicted"] - before > 5
+
+
 def test_same_step_hit_on_a_block_being_written_is_legal(eng, rt):
     """B is served A's prefix block in the very step A's next prefill chunk
     writes it: vLLM writes a layer's KV for the whole batch before attention

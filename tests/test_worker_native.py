@@ -373,3 +373,86 @@ def test_a_seal_left_and_the_sampled_batches_stay_in_c(eng, rt):
     assert dc.counters["verified"] - verified >= 2  # two batches, each over the sealed blocks
     assert rt.violations() == []
     drain(eng)
+
+
+def _finished_with_cached_prefix(llm, rid):
+    """Request ``rid`` over PREFIX (two full blocks) run to its end: its
+    prefix blocks stay cached in vLLM's free queue, held by nobody.
+    Returns (its full id, its two prefix blocks)."""
+    add(llm, rid, PREFIX + [11] * 5, max_tokens=4)
+    step(llm, 2)
+    full, blocks = block_ids(llm, rid)
+    drain(llm)
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    assert all(pool.blocks[b].block_hash is not None and pool.blocks[b].ref_cnt == 0
+               for b in blocks[:2])  # cached and free: servable as prefix hits
+    return full, blocks[:2]
+
+
+def test_a_scribble_on_a_cached_block_nobody_holds_is_found_by_the_scrub(eng, rt):
+    """A's prefix blocks stay cached after A ends, held by nobody; a stray
+    write changes one.  No request is served it and none evicts it (B's
+    prompt shares nothing and the pool has room), yet the sampled scrub
+    finds it on the batch's spare budget, naming A, who last held it."""
+    from kvsan.checks.device import DeviceChecker
+    from kvsan.hooks.vllm_worker import _layers
+
+    a_full, prefix = _finished_with_cached_prefix(eng, "A")
+    target = prefix[1]
+    dc = device()
+    _layers(mine())[0][target].view(-1)[9] += 1.0  # a stray write, no allocator call
+    add(eng, "B", [(5 * i) % 400 + 1 for i in range(40)], max_tokens=40)
+    step(eng, 2 * DeviceChecker.SAMPLE_BATCH_STEPS)
+    assert target in dc.sealed and target not in dc.holders  # never evicted nor served
+    bad = of(rt, "checksum_mismatch")
+    assert [(v.blocks, v.owners, v.details[0]["layers"], v.details[0]["check"])
+            for v in bad] == [([target], [a_full], [0], "sampled, held by nobody")]
+    assert dc.counters["verified_unheld"] > 0
+    drain(eng)
+
+
+def test_a_scribble_on_a_cached_block_nobody_holds_is_found_when_it_is_evicted(eng, rt):
+    """As above, but no sampled batch runs (the tick is held back) and C
+    and D take every free block: A's prefix blocks are evicted and handed
+    to D under pressure.  The scribble is found as vLLM evicts the block,
+    before D's forward writes it, naming A; D's own new KV in the reused
+    blocks is not reported."""
+    from kvsan.hooks.vllm_worker import _layers
+
+    a_full, prefix = _finished_with_cached_prefix(eng, "A")
+    target = prefix[1]
+    dc = device()
+    _layers(mine())[1][target].view(-1)[3] += 1.0
+    add(eng, "C", [(3 * i) % 400 + 1 for i in range(300)], max_tokens=30)
+    add(eng, "D", [(7 * i) % 300 + 2 for i in range(150)], max_tokens=30)
+    evicted = False
+    while eng.llm_engine.has_unfinished_requests():
+        dc._tick = 0  # no sampled batch: only the eviction can find it
+        step(eng)
+        evicted = evicted or target not in dc.sealed
+        if evicted:
+            break
+    assert evicted and dc.counters["verified_evicted"] >= 1
+    d_full, d_blocks = block_ids(eng, "D")
+    assert target in d_blocks  # reused under pressure
+    bad = of(rt, "checksum_mismatch")
+    assert [(v.blocks, v.owners, v.details[0]["layers"], v.details[0]["check"])
+            for v in bad] == [([target], [a_full], [1], "at eviction")]
+    drain(eng)
+    assert len(of(rt, "checksum_mismatch")) == 1 and len(rt.violations()) == 1
+
+
+def test_clean_traffic_with_heavy_eviction_is_clean(eng, rt):
+    """Seeded traffic on a 16-block pool: cached blocks are evicted and
+    reused (LIFO off the free queue) all the time and requests end while
+    others keep their prefixes; every evicted sealed block is verified
+    before its reuse and the unheld ones are scrubbed, with no report."""
+    from kvsan import traffic
+
+    dc = device()
+    before = dict(dc.counters)
+    res = traffic.run(eng, seed=7, groups=5, per_group=4)
+    assert res.finished > 0
+    assert rt.violations() == []
+    assert dc.counters["verified_evicted"] - before["verified_evicted"] > 5
+    assert dc.counters["verified_unheld"] - before["verified_unheld"] > 5

@@ -22,8 +22,12 @@ operations were also a host sync; the step's checks are dozens of them).
 * **checksums**: a cached block is sealed once every one of its slots has been
   written (counted from the slot mappings the forward used, or copied by
   copy-on-write) and the step that wrote it has executed; it is then
-  checksummed across layers and verified when served as a prefix hit and,
-  while live requests hold it, on a sampled schedule (``checksum_mismatch``);
+  checksummed across layers and verified when served as a prefix hit,
+  while live requests hold it on a sampled schedule, while nobody holds it
+  (a finished request's block, still cached) on the sampled schedule's
+  spare budget, and when vLLM evicts it to reuse it, before the step that
+  writes its new contents (``checksum_mismatch``; a block nobody holds is
+  reported with the requests that last held it as owners);
   a prefix hit on a block whose slots are not all written by the end of the
   step that reads it is ``uninitialized_hit`` (a same-step hit is legal:
   within a layer, vLLM writes the batch's KV before attention reads it);
@@ -252,7 +256,8 @@ class DeviceChecker:
         #: it.  A block met that is no longer sealed, or no longer held,
         #: leaves it; a held one comes back when a prefix hit takes it up
         #: (a cached block nobody holds is verified when it is served, before
-        #: the step that reads it).  Taking a batch costs its size, not the
+        #: the step that reads it, on the batch's spare budget: ``_cold``,
+        #: and when it is evicted).  Taking a batch costs its size, not the
         #: number of sealed blocks (a pool on a GPU has 1e5-1e6, mostly
         #: cached and unheld: the sample goes to the blocks being read)
         self._sweep: deque[int] = deque()
@@ -264,6 +269,19 @@ class DeviceChecker:
         #: system prompt's blocks, hit by every new request, are verified
         #: there already)
         self._hit_verified: set[int] = set()
+        #: the round robin of sealed blocks nobody holds (a finished
+        #: request's cached blocks, servable as prefix hits), as
+        #: ``_sweep``: verified on the sampled batch's spare budget (what
+        #: the held blocks leave of it), so a scribble on one is found even
+        #: if it is never served; entries no longer sealed, or held again,
+        #: leave as they are met.  Every such block is also verified when
+        #: vLLM evicts it (:meth:`uncache`)
+        self._cold: deque[int] = deque()
+        self._in_cold: set[int] = set()
+        #: sealed block -> (step, the requests that let go of it at that
+        #: step): the owners named when nobody holds it any more (whoever
+        #: last held it), forgotten when it is unsealed
+        self._left: dict[int, tuple[int, set[str]]] = {}
         self._tick = 0
         self._weights: dict[int, torch.Tensor] = {}
         self._chunks_host = chunk_multipliers(0)
@@ -296,7 +314,10 @@ class DeviceChecker:
         self.pending_sums: list = []
         self.poisoned: set[int] = set()
         self.counters = {"guarded_tokens": 0, "verified": 0, "sealed": 0, "poisoned": 0,
-                         "rows_checked": 0, "rows_swept": 0}
+                         "rows_checked": 0, "rows_swept": 0,
+                         # (of "verified": sealed blocks nobody held, sampled;
+                         # and sealed blocks verified as vLLM evicted them)
+                         "verified_unheld": 0, "verified_evicted": 0}
         #: whether the engine's block-table rows are checked (:meth:`check_rows`;
         #: set by the adapter where it can read them): then the requests
         #: that got blocks since the last row check (``rows_due``), and the
@@ -393,6 +414,7 @@ class DeviceChecker:
                 h.discard(rid)
                 if not h:
                     del holders[b]
+        self._let_go(rid, gone)
         me = self._rid_int.get(rid)
         if me is not None:  # no longer its producer
             if self.pending_guard is not None:
@@ -422,6 +444,43 @@ class DeviceChecker:
             idx = torch.as_tensor(list(blocks), dtype=torch.long, device=lut.device)
             lut[idx] = torch.where(lut[idx] == me, _NONE, lut[idx])
 
+    def _let_go(self, rid: str, blocks) -> None:
+        """Request ``rid`` let go of ``blocks``: of the sealed ones, it is
+        recorded among the last to hold each (the owners a later checksum
+        mismatch names once nobody holds the block), and those nobody holds
+        now join the round robin of unheld blocks.  Once per request that
+        leaves, over its own blocks: the work follows the blocks that
+        changed hands."""
+        sealed = self.sealed
+        if not sealed or self.checksum == "off":
+            return
+        left, holders, now = self._left, self.holders, None
+        # (the round robin is only read by sample:N; "all" verifies every block)
+        cold, in_cold = self._cold, (self._in_cold if self.checksum == "sample" else None)
+        for b in blocks:
+            if b not in sealed:
+                continue
+            if now is None:
+                now = self.step()
+            last = left.get(b)
+            if last is not None and last[0] == now:
+                last[1].add(rid)
+            else:
+                left[b] = (now, {rid})
+            if in_cold is not None and b not in holders and b not in in_cold:
+                in_cold.add(b)
+                cold.append(b)  # (_cold_in, inline: once per block let go)
+
+    def _owners_of(self, b: int) -> set[str]:
+        """Who a report on block ``b`` names: the requests that hold it,
+        else those that last held it (it is cached, nobody holds it),
+        else nobody."""
+        h = self.holders.get(b)
+        if h:
+            return h
+        last = self._left.get(b)
+        return last[1] if last is not None else set()
+
     def drop_request(self, rid: str) -> None:
         if self.pending_guard is not None:
             self._settle()
@@ -435,6 +494,8 @@ class DeviceChecker:
                 h.discard(rid)
                 if not h:
                     del self.holders[b]
+        if self.sealed:
+            self._let_go(rid, blocks)
         if me is None:
             return
         self._last_batch = None  # its int may go to another request
@@ -442,7 +503,7 @@ class DeviceChecker:
         self._int_rid[me] = None
         self._free_ints.append(me)
 
-    def add_step(self, adds: Sequence[tuple]) -> tuple[list, list]:
+    def add_step(self, adds: Sequence[tuple], layers=None) -> tuple[list, list]:
         """This step's block-table growth: ``(rid, blocks, n_hits)`` with the
         first ``n_hits`` blocks served from the prefix cache and the rest
         freshly allocated, optionally ``(rid, blocks, n_hits, partial)``:
@@ -451,14 +512,18 @@ class DeviceChecker:
         a block: counted written, or it could never fill).  Fresh blocks are
         applied first: a block allocated and cached for one request may be
         hit by another in the same step (legal), but must not still be held
-        from an earlier step.  Returns (hits as (rid, block), fresh blocks)."""
+        from an earlier step.  A fresh block still sealed was evicted
+        without the scheduler's word (:meth:`uncache`): with ``layers``
+        (the cache tensors, before the step's forward writes the block) it
+        is verified first, as there.  Returns (hits as (rid, block), fresh
+        blocks)."""
         if self.pending_guard is not None:
             self._settle()
         if not adds:  # most decode steps: no request got a block
             return [], []
         if self.rows_on:
             self.rows_due.update([a[0] for a in adds])
-        hits, fresh, producers, unsealed = [], [], [], []
+        hits, fresh, producers, unsealed = [], [], [], {}
         null, holders, sealed, req_blocks = self.null, self.holders, self.sealed, self.req_blocks
         partly: list[tuple[int, int]] = []
         for rid, blocks, n_hits, *more in adds:
@@ -488,12 +553,15 @@ class DeviceChecker:
                             [b], others, rid)
                     h.add(rid)
                 if b in sealed:
-                    unsealed.append(b)  # a fresh block was evicted by the allocator
+                    unsealed[b] = rid  # a fresh block was evicted by the allocator
             if len(fresh) > had:
                 # only a block's producer (the request it was freshly
                 # allocated to) may write it, and only until it is sealed
                 producers += [self._rint(rid)] * (len(fresh) - had)
-        self._unseal(unsealed)
+        if unsealed:
+            if layers is not None:
+                self._verify_evicted(layers, list(unsealed), unsealed)
+            self._unseal(list(unsealed))
         self._put(1, fresh, 0)  # written from scratch
         if self._fed is not None and fresh:
             self._unfeed(fresh)
@@ -525,21 +593,40 @@ class DeviceChecker:
                 in_sweep.add(b)
                 sweep.append(b)
 
+    def _cold_in(self, blocks: list[int]) -> None:
+        """Sealed ``blocks`` nobody holds join the round robin of unheld
+        blocks (at its end) unless they are in it."""
+        cold, in_cold = self._cold, self._in_cold
+        for b in blocks:
+            if b not in in_cold:
+                in_cold.add(b)
+                cold.append(b)
+
     # -- sealing --------------------------------------------------------------
     def _unseal(self, blocks: list[int]) -> None:
         if self.pending_guard is not None:
             self._settle()
-        hit_verified = self._hit_verified
+        hit_verified, left = self._hit_verified, self._left
         for b in blocks:
             self.sealed.pop(b, None)
             self.sums.pop(b, None)
             hit_verified.discard(b)
+            if left:
+                left.pop(b, None)
         self._put(2, blocks, False)
 
-    def uncache(self, blocks: Iterable[int]) -> None:
+    def uncache(self, blocks: Iterable[int], layers=None) -> None:
+        """The scheduler evicted ``blocks`` from the prefix cache (most to
+        reuse them this step).  With ``layers`` (the cache tensors, before
+        the step's forward: nothing has written the reused blocks yet), the
+        sealed ones are verified first: a scribble on a cached block nobody
+        holds is found at the latest when vLLM evicts it, never lost with
+        it, and a block's checksum is forgotten only after that."""
         blocks = list(blocks)
         if not blocks:
             return
+        if layers is not None:
+            self._verify_evicted(layers, blocks)
         self._unseal(blocks)
         pending = self.pending_seal
         if pending:
@@ -551,7 +638,43 @@ class DeviceChecker:
         self._sweep.clear()
         self._in_sweep.clear()
         self._hit_verified.clear()
+        self._cold.clear()
+        self._in_cold.clear()
+        self._left.clear()
         self.pending_seal.clear()
+
+    def _verify_evicted(self, layers, blocks: list[int], takers: dict | None = None) -> None:
+        """Verify the sealed ones of ``blocks``, which vLLM is evicting, in
+        one batch, before they are unsealed: their checksums and owners are
+        taken now (``takers``: block -> the request it is being handed to,
+        not one of its owners).  One checksum per evicted sealed block, as
+        many as its sealing cost.  Deferred (a cache in CUDA memory), the
+        checksums queue behind the device's work (before the step that
+        rewrites the blocks) and are compared with these; a block whose
+        sealing checksums are still on their way is not verified."""
+        if self.checksum == "off" or not layers:
+            return
+        if self._defer_sums and self.pending_sums:
+            self._drain()
+        sums = self.sums
+        due = [b for b in dict.fromkeys(blocks) if b in sums]
+        if not due:
+            return
+        expect = {}
+        for b in due:
+            owners = self._owners_of(b)
+            if takers is not None and b in takers:
+                owners = (owners - {takers[b]}) or self._left.get(b, (0, set()))[1]
+            expect[b] = (sums[b], self.sealed.get(b), set(owners))
+        whys = dict.fromkeys(due, "at eviction")
+        self.counters["verified"] += len(due)
+        self.counters["verified_evicted"] += len(due)
+        if self._defer_sums:
+            self._sums_later("verify", layers, due, whys, expect)
+            return
+        rows = self._sums_now(layers, due)
+        if [expect[b][0] for b in due] != rows:
+            self._compare(due, rows, whys, expect=expect)
 
     def will_seal(self, blocks: Iterable[int], links=None) -> None:
         """Blocks the scheduler cached this step: sealed once written.  Only
@@ -643,15 +766,18 @@ class DeviceChecker:
                 return got
         return self._torch_sums(layers, idx)
 
-    def _sums_later(self, kind: str, layers, blocks: list[int], whys=None) -> None:
+    def _sums_later(self, kind: str, layers, blocks: list[int], whys=None,
+                    expect=None) -> None:
         """Queue the checksums of ``blocks``, copied to host memory behind
-        the device's work, for :meth:`_drain`."""
+        the device's work, for :meth:`_drain` (``expect``: what a
+        verification compares with, where not the blocks' checksums then,
+        see :meth:`_compare`)."""
         got = self._sums_tensor(layers, blocks)
         event = None
         if got.is_cuda:
             host = torch.empty(got.shape, dtype=got.dtype, pin_memory=True)
             event, got = _copy_back(host, got), host
-        self.pending_sums.append([kind, blocks, whys, got, event, self.step()])
+        self.pending_sums.append([kind, blocks, whys, got, event, self.step(), expect])
 
     def _drain(self, wait: bool = False) -> None:
         """Take up the checksums that have arrived (all of them, waiting,
@@ -659,7 +785,7 @@ class DeviceChecker:
         before its verification."""
         pending = self.pending_sums
         while pending:
-            kind, blocks, whys, host, event, step = pending[0]
+            kind, blocks, whys, host, event, step, expect = pending[0]
             if event is not None:
                 if not wait and not event.query():
                     return
@@ -672,7 +798,7 @@ class DeviceChecker:
                     if b in sealed:  # (not unsealed since)
                         self.sums[b] = r
             else:
-                self._compare(blocks, rows, whys, step)
+                self._compare(blocks, rows, whys, step, expect)
 
     def flush(self) -> None:
         """Check everything still on its way: a deferred write guard, and
@@ -754,6 +880,10 @@ class DeviceChecker:
             sealed[b] = now
         if self.checksum == "sample":  # the round robin is only read there
             self._sweep_in(blocks)
+            holders = self.holders
+            unheld = [b for b in blocks if b not in holders]
+            if unheld:  # (its producer let go of it: a sliding window moved past it)
+                self._cold_in(unheld)
         self._put(2, blocks, True)
         self.counters["sealed"] += len(blocks)
         if self.on_sealed is not None:
@@ -1024,25 +1154,35 @@ class DeviceChecker:
             self._compare(blocks, rows, whys)
 
     def _compare(self, blocks: list[int], rows: list[tuple], whys: dict,
-                 step: int | None = None) -> None:
+                 step: int | None = None, expect: dict | None = None) -> None:
         """Report each block whose checksums ``rows`` differ from its
-        sealed ones (``step``: when they were taken, if not now)."""
+        sealed ones (``step``: when they were taken, if not now).  Owners:
+        the requests holding it, else those that last held it.
+        ``expect``: block -> (its sealed checksums, sealing step, owners)
+        as taken when it was checked, for blocks unsealed since (evicted:
+        :meth:`_verify_evicted`)."""
         sums = self.sums
         for b, cur in zip(blocks, rows):
-            sealed = sums.get(b)
+            if expect is not None:
+                sealed, at, owners = expect[b]
+            else:
+                sealed = sums.get(b)
+                at, owners = self.sealed.get(b), None
             if sealed is None or cur == sealed:  # (one C comparison in the clean case)
                 continue
             diff = [i for i, (x, y) in enumerate(zip(cur, sealed)) if x != y]
             if diff:
-                owners = self.holders.get(b, set())
+                if owners is None:
+                    owners = self._owners_of(b)
                 self._report(
                     kinds.CHECKSUM_MISMATCH,
-                    f"sealed block {b} changed since step {self.sealed.get(b)} "
+                    f"sealed block {b} changed since step {at} "
                     f"(layers {diff}; checked {whys[b]})",
                     [b], owners, None,
-                    details=[{"block": b, "layers": diff, "sealed_step": self.sealed.get(b),
+                    details=[{"block": b, "layers": diff, "sealed_step": at,
                               "check": whys[b]}], step=step)
-                self.sums[b] = cur  # report once per change
+                if expect is None:
+                    self.sums[b] = cur  # report once per change
 
     def copy_fill(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write copies run before the forward: dst holds src's slots."""
@@ -1106,8 +1246,15 @@ class DeviceChecker:
                 sealed = self.sealed
                 self._hit_verified.update(b for b in hit_blocks if b in sealed)
             if self._tick % self.SAMPLE_BATCH_STEPS == 0:
-                for b in self._sample(self.checksum_sample * self.SAMPLE_BATCH_STEPS):
+                n = self.checksum_sample * self.SAMPLE_BATCH_STEPS
+                chosen = self._sample(n)
+                for b in chosen:
                     whys.setdefault(b, "sampled")
+                if len(chosen) < n and self._cold:
+                    unheld = self._sample_cold(n - len(chosen))
+                    for b in unheld:
+                        whys.setdefault(b, "sampled, held by nobody")
+                    self.counters["verified_unheld"] += len(unheld)
         self.verify(layers, whys)
 
     def _sample(self, n: int) -> list[int]:
@@ -1133,6 +1280,25 @@ class DeviceChecker:
             else:
                 self._in_sweep.discard(b)
                 hit_verified.discard(b)
+        return chosen
+
+    def _sample_cold(self, n: int) -> list[int]:
+        """The next ``n`` sealed blocks nobody holds, in round robin: the
+        sampled batch's spare budget (what the held blocks left of it), so
+        the sample still goes to the blocks being read first, and the
+        batch's size stays what ``sample:N`` says.  Blocks met that are no
+        longer sealed (evicted: verified then) or held again (back in the
+        held round robin at their hit) leave it."""
+        cold, sealed, held, chosen = self._cold, self.sealed, self.holders, []
+        for _ in range(len(cold)):
+            if len(chosen) >= n:
+                break
+            b = cold.popleft()
+            if b in sealed and b not in held:
+                cold.append(b)
+                chosen.append(b)
+            else:
+                self._in_cold.discard(b)
         return chosen
 
     # -- poison -----------------------------------------------------------------

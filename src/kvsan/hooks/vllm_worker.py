@@ -11,6 +11,8 @@ block tables and cache tensors are all visible around ``execute_model``.
 * V2 runner (CUDA default): ``execute_model`` (step context, checksums,
   poison) and ``prepare_attn`` (the write guard on the slot mappings its
   Triton kernel built).  Written from the source; not yet run on a GPU.
+* Both: a cached block vLLM evicts is verified when the step that reuses
+  it begins, before its forward writes the block's new contents.
 * Both: sealing after the step: where ``execute_model`` hands the step on
   to ``sample_tokens`` (vLLM 0.32 always does; the drafter of speculative
   decoding writes its layers' KV there), when the runner's next step
@@ -211,7 +213,11 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
         if payload["reset"]:
             dc.uncache_all()
         if payload["uncached"]:
-            dc.uncache(payload["uncached"])
+            # evicted (most to be handed out again this step): the sealed
+            # ones are verified now, before this step's forward rewrites them
+            # (a scribble on a cached block nobody holds is reported, with
+            # whoever last held it, instead of being lost with it)
+            dc.uncache(payload["uncached"], layers)
         for rid, blocks in payload.get("dropped", ()):  # a window moved past them
             dc.release_blocks(rid, blocks)
     new_reqs = so.scheduled_new_reqs
@@ -234,7 +240,7 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
         news = cr.new_block_ids
         if news.count(None) != len(news):
             adds += [(rid, new[0], 0) for rid, new in zip(cr.req_ids, news) if new is not None]
-    hits, fresh = dc.add_step(adds) if adds else ((), ())
+    hits, fresh = dc.add_step(adds, layers) if adds else ((), ())
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
