@@ -75,7 +75,7 @@ def identity_memory(n: int, per_request: int = 16, bs: int = 16) -> float:
     tokens = list(range(per_request * bs))  # small ints: the engine's, not counted
     keys = [i.to_bytes(32, "little") for i in range(n)]
     rids = [f"req-{i:08d}" for i in range(n // per_request + 1)]
-    static = (b"l" * 16, b"s" * 16, b"d" * 16)
+    static = (b"l" * 16, b"s" * 16)
     weights = b"w" * 16
     gc.collect()
     tracemalloc.start()

@@ -341,9 +341,9 @@ def test_text_only_chains_share_their_empty_digests():
 
     shared = identity.RequestIdentity.TEXT_ONLY
     image = lambda k: b"img%d" % k  # noqa: E731
-    a = identity.RequestIdentity((b"", b"", b""))
+    a = identity.RequestIdentity((b"", b""))
     a.extend(3, list(range(64)), 16, None, None)
-    b = identity.RequestIdentity((b"", b"", b""))
+    b = identity.RequestIdentity((b"", b""))
     b.extend(2, list(range(64)), 16, image, None)
     assert a.mm is shared and a.emb is shared
     assert b.mm is not shared and b.emb is not shared
@@ -392,7 +392,7 @@ def test_native_token_links_equal_the_python_chain():
         for on in (True, False):
             identity.use_native(on)
             assert (identity._extend_text is not None) is on
-            ident = identity.RequestIdentity((b"", b"", b""))
+            ident = identity.RequestIdentity((b"", b""))
             for upto in steps:
                 ident.extend(upto, toks, bs, None, None)
             chains.append((ident.tok, ident.mm, ident.emb))
@@ -449,12 +449,12 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
     from kvsan._tokenlinks import Links
 
     toks = list(range(10_000, 10_000 + 6 * BLOCK))
-    ident = identity.RequestIdentity((b"", b"", b""))
+    ident = identity.RequestIdentity((b"", b""))
     assert type(ident.tok) is Links and not gc.is_tracked(ident.tok)
     ident.extend(4, toks, BLOCK, None, None)  # in C
     identity.use_native(False)
     try:
-        py = identity.RequestIdentity((b"", b"", b""))
+        py = identity.RequestIdentity((b"", b""))
         py.extend(4, toks, BLOCK, None, None)
         ident.extend(6, toks, BLOCK, None, None)  # a Links extended by the Python loop
         py.extend(6, toks, BLOCK, None, None)
@@ -488,7 +488,7 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
         blk = KVCacheBlock(block_id=b)
         blk.set_block_hash(bytes([b]) * 32)
         blocks.append(blk)
-    other = identity.RequestIdentity((b"", b"", b""))
+    other = identity.RequestIdentity((b"", b""))
     other.extend(2, [t + 1 for t in toks], BLOCK, None, None)
     for producer in (ident, py):
         audit = identity.IdentityAudit(lambda v: None, num_blocks=4)
@@ -595,7 +595,7 @@ def test_records_beyond_their_lists_are_made_in_python_and_grown(native):
 
     found = []
     audit = IdentityAudit(found.append, num_blocks=4)
-    static = (b"l" * 16, b"s" * 16, b"d" * 16)
+    static = (b"l" * 16, b"s" * 16)
     blocks = []
     for b in (1, 6):
         blk = KVCacheBlock(block_id=b)
@@ -647,7 +647,7 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
     if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
         pytest.skip("the speed-ups are built for CPython 3.11")
     fast = hooks.SHADOWFAST
-    static, salted = (b"l" * 16, b"s" * 16, b"d" * 16), (b"l" * 16, b"t" * 16, b"d" * 16)
+    static, salted = (b"l" * 16, b"s" * 16), (b"l" * 16, b"t" * 16)
     blocks = []
     for b in (1, 2):
         blk = KVCacheBlock(block_id=b)

@@ -2474,7 +2474,7 @@ records_arg(PyObject *rec, PyObject **lists, const char *fn)
 
 /* identity_record(records, producer, ident, weights, blocks, lo, hi) -> bool:
  * blocks[lo:hi] cached by ``producer``; a block keeps its first producer
- * while its key is unchanged.  True: all recorded; False: a block this
+ * while its key and the weights digest are unchanged.  True: all recorded; False: a block this
  * cannot record (beyond the records, or an id that is not a plain int) was
  * met, and Python must record the call (IdentityAudit.on_cached, which grows
  * the records; records already made here are made again, the same). */
@@ -2535,6 +2535,15 @@ identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             same = PyObject_RichCompareBool(known, key, Py_EQ);
             if (same < 0) {
                 goto fail;
+            }
+        }
+        if (same) { /* re-cached under other weights: the new producer's KV */
+            PyObject *wk = PyList_GET_ITEM(lists[R_WEIGHTS], b);
+            if (wk != args[3]) {
+                same = PyObject_RichCompareBool(wk, args[3], Py_EQ);
+                if (same < 0) {
+                    goto fail;
+                }
             }
         }
         if (!same) {

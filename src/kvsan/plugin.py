@@ -51,9 +51,10 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
         installed, missing = hooks.instrument(vllm_allocator.targets())
         _install_when_imported(rt, vllm_allocator.hisparse_targets, vllm_allocator._HISPARSE)
     if rt.role != "worker":
-        from .hooks import vllm_identity
+        from .hooks import vllm_identity, vllm_weights
 
         installed.extend(vllm_identity.install())
+        installed.extend(f"weights:{t}" for t in vllm_weights.install())
     if rt.role != "worker" and (cfg.quarantine or cfg.pressure) and not missing:
         from .hooks import vllm_quarantine
 
@@ -142,8 +143,9 @@ def uninstall() -> None:
     from .hooks import vllm_quarantine
 
     vllm_quarantine.uninstall()
-    from .hooks import vllm_identity
+    from .hooks import vllm_identity, vllm_weights
 
+    vllm_weights.uninstall()
     vllm_identity.uninstall()
     worker = sys.modules.get("kvsan.hooks.vllm_worker")  # (imported where it ran)
     if worker is not None:

@@ -3,8 +3,10 @@
 kvsan computes its own identity of every cached block, independently of the
 engine's hash function and extra-key encoding: a 64-bit chain over the token
 prefix, and a domain-tagged BLAKE2b digest of each other input that changes the KV
-(LoRA adapter with id, path and load epoch; multimodal identifiers and
-their offsets; cache_salt; prompt embeddings; weights epoch; KV dtype).  The
+(the LoRA adapter, by its files where they can be read; multimodal
+identifiers and their offsets; cache_salt; prompt embeddings; weights
+epoch).  The KV cache dtype is not a field: it is fixed for an engine's
+pool, so two requests served from one pool never differ in it.  The
 identity recorded when a block enters the cache (producer) is compared with
 the identity of each request later served that block (consumer).  A
 difference means the engine's cache key let two different inputs meet:
@@ -24,8 +26,7 @@ from .. import kinds
 from ..report import Violation
 from . import native
 
-FIELDS = ("tokens", "lora", "cache_salt", "multimodal", "prompt_embeds",
-          "weights_epoch", "kv_cache_dtype")
+FIELDS = ("tokens", "lora", "cache_salt", "multimodal", "prompt_embeds", "weights_epoch")
 _PERSON = b"kvsan-ident-v1"
 _EMPTY = b""
 
@@ -110,7 +111,7 @@ class RequestIdentity(weakref.ref):
     keep it.
 
     ``static``: the digests of the inputs that are the same for every block
-    of the request (LoRA, cache_salt, KV dtype), one shared tuple per
+    of the request (LoRA, cache_salt), one shared tuple per
     distinct combination, so most comparisons are an identity check.
 
     ``tok``: the token links, one per block, in a ``kvsan._tokenlinks.Links``
@@ -135,11 +136,11 @@ class RequestIdentity(weakref.ref):
     #: 16 B per cached block.
     TEXT_ONLY: list[bytes] = []
 
-    def __new__(cls, static: tuple[bytes, bytes, bytes], owner: object = UNOWNED,
+    def __new__(cls, static: tuple[bytes, bytes], owner: object = UNOWNED,
                 callback: Callable | None = None, rid: str | None = None):
         return super().__new__(cls, owner, callback)
 
-    def __init__(self, static: tuple[bytes, bytes, bytes], owner: object = UNOWNED,
+    def __init__(self, static: tuple[bytes, bytes], owner: object = UNOWNED,
                  callback: Callable | None = None, rid: str | None = None):
         # kvsan._tokenlinks (new_identity) makes these without calling
         # __init__, setting the same five slots: keep the two in step
@@ -199,9 +200,9 @@ class RequestIdentity(weakref.ref):
 
     def fields(self, k: int, weights: bytes) -> tuple[bytes, ...]:
         """Block ``k``'s digests in :data:`FIELDS` order."""
-        lora, salt, dtype = self.static
+        lora, salt = self.static
         tok = self.tok[k].to_bytes(8, "little", signed=True)
-        return (tok, lora, salt, self.mm[k], self.emb[k], weights, dtype)
+        return (tok, lora, salt, self.mm[k], self.emb[k], weights)
 
     def same(self, k: int, other: "RequestIdentity", i: int) -> bool:
         """Block ``k`` of this chain has the inputs of block ``i`` of ``other``
@@ -275,7 +276,10 @@ class IdentityAudit:
     def on_cached(self, producer: str, ident: RequestIdentity, weights: bytes,
                   blocks: Iterable[tuple[int, int, bytes]]) -> None:
         """``producer`` cached ``blocks`` = (index in its chain, block, engine
-        key); a block keeps its first producer while its key is unchanged."""
+        key); a block keeps its first producer while its key and the weights
+        digest are unchanged (a block cached again under new weights holds
+        the new producer's KV: a reset after a weight update leaves no stale
+        record)."""
         keys, owners, chains, index, weights_of = self.records
         for k, block, key in blocks:
             if block < 0:
@@ -283,7 +287,8 @@ class IdentityAudit:
             if block >= len(keys):
                 self._grow(block + 1)
             known = keys[block]
-            if known is None or known != key:
+            if known is None or known != key or not (weights_of[block] is weights
+                                                     or weights_of[block] == weights):
                 keys[block], owners[block], chains[block] = key, producer, ident
                 index[block], weights_of[block] = k, weights
 

@@ -4,10 +4,10 @@ Producer identity when ``BlockPool.cache_full_blocks`` registers a block;
 consumer identity when ``KVCacheCoordinator.allocate_new_computed_blocks``
 hands a request its prefix hits (called only for a request that has hits,
 not once per request per step as ``allocate_slots`` is; the Request itself
-is read from the calling ``allocate_slots`` frame).  Epochs that vLLM's
-block hash leaves out are tracked here: the weights epoch (bumped by every
-weight update or reload RPC and by ``set_weight_version``) and a per-name
-LoRA load epoch (``add_lora``).
+is read from the calling ``allocate_slots`` frame).  What vLLM's block hash
+may leave out is tracked here from the truth: the weights epoch (moved by
+:mod:`kvsan.hooks.vllm_weights` when the weights' fingerprint moves) and a
+LoRA adapter's identity from its files (:func:`_lora_identity`).
 Everything is read from the Request, never from vLLM's extra keys.
 """
 
@@ -26,7 +26,7 @@ from . import Target, bind_args, guard_failed, instrument, request_on_stack, uni
 from . import vllm_allocator as _allocator
 from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS
 
-_state = {"weights_epoch": 0, "model": None, "dtype": None}
+_state = {"weights_epoch": 0, "model": None}
 _lora_epochs: dict[str, int] = {}
 _audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
 #: request id -> its identity chain, a weak reference to its Request
@@ -48,13 +48,16 @@ def _reap(chain: RequestIdentity) -> None:
         del chains[chain.rid]
 
 
-WEIGHT_RPCS = ("update_weights", "finish_weight_update", "reload_weights", "load_weights",
-               "update_weights_from", "init_weight_transfer")
-
-
 def bump_weights_epoch() -> int:
+    """A new weights epoch: blocks cached from now on are told apart from
+    those cached before (a hit across the two is ``cache_key_mismatch``
+    naming ``weights_epoch``)."""
     _state["weights_epoch"] += 1
     _refresh_weights()
+    return _state["weights_epoch"]
+
+
+def weights_epoch() -> int:
     return _state["weights_epoch"]
 
 
@@ -96,29 +99,80 @@ def _audit(rt, pool) -> IdentityAudit | None:
     return a
 
 
-#: (lora, cache_salt, dtype) -> their digests: most requests share them, so
+#: (lora, cache_salt) -> their digests: most requests share them, so
 #: a new request usually costs no BLAKE2b here (bounded: salts can be many)
 _static_memo: dict = {}
 _STATIC_MEMO_MAX = 4096
 
 
-def _static_digests(lora, salt, dtype) -> tuple[bytes, bytes, bytes]:
-    """(LoRA, cache_salt, KV dtype) digests, one shared tuple per distinct
-    combination (compared by identity first)."""
-    key = (lora, salt, dtype)
+def _static_digests(lora, salt) -> tuple[bytes, bytes]:
+    """(LoRA, cache_salt) digests, one shared tuple per distinct combination
+    (compared by identity first)."""
+    key = (lora, salt)
     out = _static_memo.get(key)
     if out is None:
         if len(_static_memo) >= _STATIC_MEMO_MAX:
             _static_memo.clear()
         out = _static_memo[key] = (
             digest("lora", *((text(x) for x in lora) if lora else (b"",))),
-            digest("salt", text(salt)), digest("dtype", text(dtype)))
+            digest("salt", text(salt)))
     return out
 
 
+def _lora_identity(lr) -> tuple:
+    """What a LoRA adapter changes the KV by: the digest of its files where
+    the scheduler can read them (an adapter reloaded under the same name
+    with other weights differs; one adapter under two names or ids does
+    not), else its name, id, path and load epoch (``add_lora``)."""
+    files = adapter_files_digest(lr.lora_path)
+    if files is not None:
+        return ("files", files)
+    return (lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
+
+
+#: adapter path -> (the stat signature of its files, their content digest):
+#: an adapter's files are read once per version, not once per request
+_adapter_memo: dict = {}
+
+
+def adapter_files_digest(path) -> bytes | None:
+    """Content digest of the adapter at ``path`` (a directory: every
+    regular file in it, by name; a file: that file), or None where it cannot
+    be read.  Re-read only when a file's size or mtime changes."""
+    import os
+
+    if not isinstance(path, str) or not path:
+        return None
+    try:
+        if os.path.isdir(path):
+            names = sorted(n for n in os.listdir(path)
+                           if os.path.isfile(os.path.join(path, n)))
+            paths = [os.path.join(path, n) for n in names]
+        elif os.path.isfile(path):
+            names, paths = [os.path.basename(path)], [path]
+        else:
+            return None
+        sig = tuple((n, st.st_size, st.st_mtime_ns)
+                    for n, st in zip(names, map(os.stat, paths)))
+        memo = _adapter_memo.get(path)
+        if memo is not None and memo[0] == sig:
+            return memo[1]
+        import hashlib
+
+        h = hashlib.blake2b(digest_size=16, person=b"kvsan-lora")
+        for n, p in zip(names, paths):
+            h.update(n.encode() + b"\0")
+            with open(p, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
+        _adapter_memo[path] = (sig, h.digest())
+        return _adapter_memo[path][1]
+    except OSError:
+        return None
+
+
 #: what ``kvsan._tokenlinks.known_chain`` needs to start the chain of a
-#: request without LoRA or cache_salt as :func:`_chain` would (the static
-#: digests depend on the KV dtype: remade by :func:`_refresh_make`)
+#: request without LoRA or cache_salt as :func:`_chain` would
 _MAKE: list = [None]
 
 
@@ -131,7 +185,7 @@ def _reaper():
 
 
 def _refresh_make() -> None:
-    _MAKE[0] = (RequestIdentity, _static_digests(None, None, _state["dtype"]), _reaper())
+    _MAKE[0] = (RequestIdentity, _static_digests(None, None), _reaper())
 
 
 _refresh_make()
@@ -147,9 +201,8 @@ def _chain(request, bs: int, upto: int) -> RequestIdentity:
     ident = _chains.get(rid)
     if ident is None or ident() is not request:  # a new request (or Request object)
         lr = request.lora_request
-        lora = ((lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
-                if lr else None)
-        ident = RequestIdentity(_static_digests(lora, request.cache_salt, _state["dtype"]),
+        lora = _lora_identity(lr) if lr else None
+        ident = RequestIdentity(_static_digests(lora, request.cache_salt),
                                 request, _MAKE[0][2], rid)
         _chains[rid] = ident
     if len(ident.tok) < upto:
@@ -327,18 +380,6 @@ def _stale_hits(pool, rid: str, blocks: list[int]) -> None:
         ck.on_stale_hits(rid, blocks, _hooks.call_site(1))
 
 
-def _collective_rpc(wrapped, instance, args, kwargs):
-    method = args[0] if args else kwargs.get("method")
-    if isinstance(method, str) and method.startswith(WEIGHT_RPCS):
-        bump_weights_epoch()
-    return wrapped(*args, **kwargs)
-
-
-def _set_weight_version(wrapped, instance, args, kwargs):
-    bump_weights_epoch()
-    return wrapped(*args, **kwargs)
-
-
 def _add_lora(wrapped, instance, args, kwargs):
     lr = args[0] if args else kwargs["lora_request"]
     _lora_epochs[lr.lora_name] = _lora_epochs.get(lr.lora_name, 0) + 1
@@ -349,7 +390,6 @@ def _scheduler_init(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     try:
         _state["model"] = instance.vllm_config.model_config.model
-        _state["dtype"] = instance.cache_config.cache_dtype
         _refresh_weights()
         _refresh_make()
         _requests_of[instance.kv_cache_manager.block_pool] = instance.requests
@@ -365,8 +405,6 @@ def targets() -> list[Target]:
         Target(_HITS_HOOK[0], ".".join(_HITS_HOOK[1:]), _allocate_new_computed_blocks,
                fast=("HITS", _no_second_half)),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init),
-        Target("vllm.v1.engine.core", "EngineCore.collective_rpc", _collective_rpc),
-        Target("vllm.v1.engine.core", "EngineCore.set_weight_version", _set_weight_version),
         Target("vllm.v1.engine.core", "EngineCore.add_lora", _add_lora),
     ]
 
