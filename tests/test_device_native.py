@@ -23,13 +23,15 @@ from kvsan.checks.device import _INT_OF_SIZE, DeviceChecker
 NB, BS = 24, 4
 
 
-def _make(path: str, found: list, monkeypatch, device: str = "cpu") -> DeviceChecker:
+def _make(path: str, found: list, monkeypatch, device: str = "cpu",
+          checksum: str = "all") -> DeviceChecker:
     """``device``: where the cache tensors live, and the "torch" path's
     tables (``benchmarks.cuda_device`` runs the paths on a GPU against the
     host paths)."""
     fast = native.load("_devicefast", native.DEVICEFAST_ABI)
     monkeypatch.setattr(native, "DEVICEFAST", fast if path in ("c", "deferred") else None)
-    dc = DeviceChecker(NB, BS, emit=found.append, checksum="all", poison=True,
+    dc = DeviceChecker(NB, BS, emit=found.append, checksum=checksum, checksum_sample=1,
+                       poison=True,
                        host_tables=path != "torch", device=device,
                        defer_guard=True if path == "deferred" else None,
                        defer_sums=True if path == "deferred" else None)
@@ -58,12 +60,15 @@ def _slots(rng, dc_view: dict, batch: list, counts: list, fault: bool) -> torch.
     return t
 
 
-def _run(seed: int, path: str, monkeypatch, device: str = "cpu", copied_reads: bool = False):
+def _run(seed: int, path: str, monkeypatch, device: str = "cpu", copied_reads: bool = False,
+         checksum: str = "all"):
     """``copied_reads``: the read extents as tensors copied back at each
-    guard (a GPU runner's, which stay on the device), not host arrays."""
+    guard (a GPU runner's, which stay on the device), not host arrays.
+    Evicted blocks are verified (the cache tensors passed, as the worker
+    adapter does)."""
     rng = random.Random(seed)
     found: list = []
-    dc = _make(path, found, monkeypatch, device)
+    dc = _make(path, found, monkeypatch, device, checksum)
     now = [0]
     dc.step = lambda: now[0]
     gen = torch.Generator().manual_seed(seed)
@@ -107,10 +112,10 @@ def _run(seed: int, path: str, monkeypatch, device: str = "cpu", copied_reads: b
             fresh_of.setdefault(rid, []).extend(blocks[n_hits:])
             adds.append((rid, blocks, n_hits))
         if rng.random() < 0.2:
-            dc.uncache(rng.sample(range(NB), 3))
+            dc.uncache(rng.sample(range(NB), 3), layers)
         if rng.random() < 0.03:
             dc.uncache_all()
-        hits, fresh = dc.add_step(adds)
+        hits, fresh = dc.add_step(adds, layers)
         if rng.random() < 0.2:
             dc.copy_fill([(rng.randrange(NB), rng.randrange(NB))])
         dc.will_seal(rng.sample(range(NB), rng.randrange(4)))
@@ -157,14 +162,18 @@ def _violations(found: list) -> list:
     return [(v.kind, v.blocks, v.owners, v.actor, v.message) for v in found]
 
 
+@pytest.mark.parametrize("checksum", ["all", "sample"])
 @pytest.mark.parametrize("seed", range(6))
-def test_every_path_agrees_under_faults(seed, monkeypatch):
+def test_every_path_agrees_under_faults(seed, checksum, monkeypatch):
     """C, numpy and torch tables, and the guard deferred to the step's end
     with the checksums taken up at the next seal or verification (what a
     cache in CUDA memory gets: the same reports, in another order, each with
-    the step it was checked at)."""
-    runs = {p: _run(seed, p, monkeypatch) for p in ("c", "numpy", "torch", "deferred")}
+    the step it was checked at).  ``sample`` (1 per step): the round robins
+    of held and unheld blocks, and evicted blocks verified, the same way."""
+    runs = {p: _run(seed, p, monkeypatch, checksum=checksum)
+            for p in ("c", "numpy", "torch", "deferred")}
     ref_dc, ref_found = runs["torch"]
+    assert ref_dc.counters["verified_evicted"] > 0  # (evicted sealed blocks were verified)
     # the faults are seen
     assert {v.kind for v in ref_found} >= {"overwrite_shared_block", "read_extent_mismatch"}
     for path in ("c", "numpy", "deferred"):
