@@ -103,6 +103,18 @@ def _make_logger():
     ).bind(logger="kvsan")
 
 
+def _announce_end() -> None:
+    """Before an abort ends this process, tell the engine's other processes
+    (vLLM's front end would otherwise wait forever for this EngineCore's
+    next output: :mod:`kvsan.hooks.vllm_engine`).  Never stops the abort."""
+    try:
+        from .hooks.vllm_engine import announce_end
+
+        announce_end()
+    except BaseException:  # noqa: BLE001 - the process ends either way
+        pass
+
+
 class Reporter:
     """Fans a violation out to every sink, then applies the mode."""
 
@@ -144,6 +156,7 @@ class Reporter:
         )
         sys.stderr.flush()
         self.close()
+        _announce_end()
         os._exit(ABORT_EXIT_CODE)
 
     # -- other records ------------------------------------------------------
