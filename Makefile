@@ -17,6 +17,6 @@ test: setup
 	.venv/bin/python -m pytest -q
 
 # kvsan's overhead, side by side (off / default / strict); about 15 minutes on
-# 2 cores; writes benchmarks/results.md (see README, Performance)
+# 2 cores; writes benchmarks/results.md (method: docs/performance.md)
 bench: setup
 	.venv/bin/python -m benchmarks

@@ -1,8 +1,8 @@
 """The device checker on a CUDA device: agreement, host syncs, cost per step.
 
-vLLM's CUDA build cannot run on the GPU machine lent to some sessions (vLLM
-0.32 needs torch 2.13; that machine has its own torch and reaches no
-registry), so this runs kvsan's engine-agnostic :class:`DeviceChecker`
+vLLM's CUDA build cannot run on a GPU machine without vLLM's own torch
+(vLLM 0.32 needs torch 2.13; a machine with another torch and no registry
+is the case this covers), so this runs kvsan's engine-agnostic :class:`DeviceChecker`
 alone, with its tables and the cache tensors on the GPU (the path the V2
 runner takes), in three parts:
 
@@ -15,8 +15,9 @@ runner takes), in three parts:
 3. **cost per step** at a serving-sized cache (32 layers of 64 KiB per block,
    8192 blocks, 256 live requests decoding while 4 new ones prefill onto
    shared sealed prefixes each step), at ``KVSAN_CHECKSUM=off`` (guard only),
-   the default ``sample:4`` and ``all`` with poisoning, for the layout
-   before the first GPU run, the default now, and now in ``raise`` mode
+   the default ``sample:4`` and ``all`` with poisoning, for three layouts
+   (the guard's tables and per-layer torch checksums on the device, the
+   default, and the default in ``raise`` mode
    (which waits for results): kvsan's host time per step and the step's
    throughput against its forward alone (a 5 ms GPU spin between the write
    guard and the sealing, as in the runner), next to the memory-bound
@@ -26,7 +27,7 @@ runner takes), in three parts:
     python -m benchmarks.cuda_device [--out FILE] [--profile | --profile-only]
     python -m benchmarks.cuda_device --host   # part 3's traffic in host memory, no GPU
 
-Results of the eighth session's H200 run: ``benchmarks/cuda_device_h200.json``.
+A run on one H200: ``benchmarks/cuda_device_h200.json``.
 """
 
 from __future__ import annotations
@@ -217,8 +218,8 @@ SETTINGS = {"guard only (checksum off)": dict(checksum="off"),
             "default (sample:4)": dict(checksum="sample", checksum_sample=4),
             "all + poison": dict(checksum="all", poison=True)}
 #: the layouts compared side by side: the guard's tables on the device with
-#: per-layer torch checksums (the design before this benchmark first ran on
-#: a GPU), and the default now
+#: per-layer torch checksums (``before``: the device-resident alternative),
+#: and the default (``now``)
 VARIANTS = {"before": dict(host_tables=False, accel=False, defer_sums=False), "now": {},
             "now, raise mode (waits for results)": dict(defer_guard=False, defer_sums=False)}
 

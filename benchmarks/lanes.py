@@ -7,8 +7,7 @@ order every turn, so all lanes see the same machine at the same moments,
 only one runs at a time, and none always follows the same other lane.  Each lane times its own step (CPU time of its thread)
 and reports it.
 
-Why not one process switching kvsan on and off between steps (as the first
-versions of these benchmarks did): switching re-patches vLLM's classes
+Why not one process switching kvsan on and off between steps: switching re-patches vLLM's classes
 before every step, and a class modified just before it runs costs the step
 about 5% more (CPython drops its attribute and method caches for the
 class: measured with a lane that re-patched and restored without running a

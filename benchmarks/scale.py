@@ -99,7 +99,7 @@ def audit_time(n: int, repeat: int = 5) -> dict:
 
     try:
         from kvsan.hooks.vllm_allocator import pool_view
-    except ImportError:  # kvsan before the vectorised audit ("before" figures)
+    except ImportError:  # a kvsan without the vectorised audit ("before" figures)
         def pool_view(blocks):
             return ([b.ref_cnt for b in blocks],
                     [b.prev_free_block is not None for b in blocks])

@@ -7,11 +7,8 @@ Why: the cost of kvsan's native hooks follows the code they run through
 more than the instructions they execute (callgrind: about one first-level
 instruction-cache miss per 19 instructions in kvsan's modules, against one
 per 51 in the interpreter around them).  A profile-guided build lays the
-hot paths out together and the error paths apart.  Side by side with the
-plain build (benchmarks.lanes, two sets of four runs): a 4-block ``touch``
-1.78x and 1.83x of vLLM's own against 1.89x and 1.90x, ``free_blocks``
-1.50x and 1.52x against 1.58x, the scheduler at 256 requests 1.072x and
-1.080x of off against 1.086x and 1.087x.
+hot paths out together and the error paths apart; ``benchmarks.lanes``
+compares it with the plain build side by side (docs/performance.md).
 
 How: GCC builds the modules instrumented (``-fprofile-generate``), a short
 training run (below: the scheduler benchmark's workload at 16, 64 and 256

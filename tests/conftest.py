@@ -29,8 +29,8 @@ def _own_errors():
 @pytest.fixture(autouse=True)
 def no_own_errors(request):
     """In ``log`` mode kvsan counts its own failures instead of raising them
-    into the engine, so a check that breaks reads as a clean run (the
-    periodic audit did so for fifteen sessions).  A test during which this
+    into the engine, so a check that breaks reads as a clean run.  A test
+    during which this
     process's kvsan counted one fails, unless it declares that it makes one
     on purpose (``@pytest.mark.own_errors``)."""
     rt, before = _own_errors()

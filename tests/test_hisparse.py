@@ -4,9 +4,8 @@ updates release a request's resident pages through
 ``BlockPool.unpin_blocks`` (the page stays readable until the pool hands it
 out again), and its requests hold blocks of a second, host ``BlockPool``
 that a fenced free hands back through the device pool's ``free_blocks``.
-Both are legal and were reported before (found by running vLLM's own
-tests under kvsan): kvsan now attributes the unpin to its request and
-keeps each pool's blocks in that pool's table."""
+Both are legal: kvsan attributes the unpin to its request and keeps each
+pool's blocks in that pool's table."""
 
 import pytest
 

@@ -458,10 +458,10 @@ def test_preemptions_and_aborts_checked_in_c_and_faults_still_reported(rt):
 
 def test_clean_ends_stay_native_while_another_free_is_delayed(rt):
     """A KV connector delays G0's free: G0 stays pending.  The ends of G1
-    and G2 meanwhile are clean and are still filed by the native hook (it
-    used to hand every end to Python while any delayed free was pending,
-    which on a node whose connector delays frees is always); G0's late free
-    is then checked as before."""
+    and G2 meanwhile are clean and are still filed by the native hook (not
+    handed to Python while any delayed free is pending, which on a node
+    whose connector delays frees is always); G0's late free is then
+    checked."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.request import RequestStatus
 

@@ -1,10 +1,10 @@
 """Faults injected into vLLM's own source: one statement of a vLLM method
 changed, the method rebuilt from that source in its own module and put back
-on its class for the test.  Each is a mutant that survived (ran without
-kvsan saying anything, while the engine's state was broken) in a mutation
-campaign over the allocator-side code (``BlockPool``, the free queue, the
-KV cache managers and the scheduler's release paths), driven through vLLM's
-real ``Scheduler``; kvsan now reports each one.  Every test first runs the
+on its class for the test.  Each is a mutant of the allocator-side code
+(``BlockPool``, the free queue, the KV cache managers and the scheduler's
+release paths) that breaks the engine's state without any vLLM assertion
+firing, driven through vLLM's real ``Scheduler``; kvsan reports each one.
+Every test first runs the
 same sequence on vLLM's unchanged code and asserts zero violations, so the
 report comes from the fault."""
 

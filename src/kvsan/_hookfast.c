@@ -166,10 +166,10 @@ static double tsc_seconds = 0.0; /* seconds per counter tick; 0: the clock */
 /* The BlockPool four (allocate, touch, free, cache) time one call in
  * TIME_EVERY (the first, then every TIME_EVERY-th) and file its time
  * TIME_EVERY times: an unbiased estimate of kvsan's own time in them.
- * Timing every call read the counter twice a call and filed the result: in
- * a 4-block prefix hit, where vLLM's own work is about 300 ns and kvsan's
- * about 250, that was a tenth of kvsan's share (side by side, 1.97x of
- * vLLM's touch against 1.89x with no timing). */
+ * Timing every call would read the counter twice a call and file the
+ * result: in a 4-block prefix hit, where vLLM's own work is about 300 ns
+ * and kvsan's about 250, that is a tenth of kvsan's share (side by side,
+ * 1.97x of vLLM's touch against 1.89x with no timing). */
 #define TIME_EVERY 8
 #ifdef HAVE_TSC
 static unsigned long long tsc_base = 0; /* ticks are read from here (a double's precision) */

@@ -327,8 +327,8 @@ held_find(HeldMap *m, PyObject *owner, Py_hash_t h, int *found)
 
 /* the table rebuilt with a capacity of at least ``factor`` * ``need``: 2
  * when it grows (it doubles, to a third full: a step of 4 and a half-full
- * limit were 10 bytes per block of shadow memory at 100k blocks, against
- * 5), 4 when it shrinks (a quarter full: it takes more than as many owners
+ * limit would cost 10 bytes per block of shadow memory at 100k blocks,
+ * against 5), 4 when it shrinks (a quarter full: it takes more than as many owners
  * again before it grows); -1 with MemoryError (the table unchanged) */
 static int
 held_resize(HeldMap *m, Py_ssize_t need, size_t factor)
@@ -704,9 +704,9 @@ static PyTypeObject HeldMapType = {
 };
 
 /* the call-site cache in front of site_ids: two ways per set (a site and
- * the one it would evict), 32 sets.  It was 16 entries, one way, indexed
- * by the str's address bits 4-7: a scheduler step meets tens of sites, and
- * two of them sharing those bits missed on every call (a dict lookup and
+ * the one it would evict), 32 sets.  A one-way cache of 16 entries indexed
+ * by the str's address bits 4-7 is too small: a scheduler step meets tens
+ * of sites, and two of them sharing those bits miss on every call (a dict lookup and
  * an int read, about 190 instructions: a tenth of what kvsan adds to a
  * 4-block touch) */
 #define SITE_CACHE 64 /* a power of two */
@@ -1055,7 +1055,7 @@ table_ok(Table *t)
 }
 
 /* list[i] = v: in line for the table's own lists (a call to PyList_SetItem
- * per store was 8 of a 4-block touch's calls), PyList_SetItem otherwise */
+ * per store would be 8 of a 4-block touch's calls), PyList_SetItem otherwise */
 static inline int
 set_list(PyObject *list, Py_ssize_t i, PyObject *v)
 {

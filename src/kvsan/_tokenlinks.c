@@ -49,7 +49,7 @@ acc_finish(Py_uhash_t acc, Py_ssize_t len)
 
 /* hash(item) for a token id, read from the int's digit where it has at most
  * one (small_int; CPython's long_hash gives the value, -1 becoming -2), else
- * PyObject_Hash: a block's 16 token hashes were 16 calls through the type */
+ * PyObject_Hash: a block's 16 token hashes would be 16 calls through the type */
 static inline Py_hash_t
 token_hash(PyObject *item)
 {
