@@ -2,12 +2,14 @@
 ``vllm.general_plugins`` entry point, in the default multi-process mode
 (kvsan in the spawned EngineCore) and in-process."""
 
+import json
 import os
 import subprocess
 import sys
 
 import pytest
 
+from kvsan import completeness
 from kvsan.config import ABORT_EXIT_CODE
 from kvsan.demo import run_once
 from kvsan.reportfile import read_records, violations
@@ -31,7 +33,7 @@ def roles(path):
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["multiprocess", "inprocess"])
-def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
+def test_clean_traffic_has_zero_violations(model, tmp_path, in_process, capfd, tmp_path_factory):
     rc, stats = run_once(model, str(tmp_path), seed=1, inject=None, in_process=in_process)
     assert rc == 0, stats
     assert stats["finished"] > 0 and stats["aborted"] > 0 and stats["reset"]
@@ -51,6 +53,87 @@ def test_clean_traffic_has_zero_violations(model, tmp_path, in_process):
     assert kvsan_check(str(tmp_path)).returncode == 0
     if sys.version_info[:2] == (3, 11):  # with its C speed-ups, in every process
         assert all(r["native"] is True for r in installed(str(tmp_path)))
+    capfd.readouterr()
+    assert_check_fails_closed(tmp_path, tmp_path_factory.mktemp("copies"), capfd,
+                              "frontend" if in_process else "engine")
+
+
+def check(path, *opts):
+    """``kvsan check`` in this process: its exit code (its verdict on stderr)."""
+    from kvsan.cli import main
+
+    return main(["check", str(path), *opts])
+
+
+def copy_report(src, dst, keep=lambda rec: True, edit=lambda rec: rec):
+    """A copy of a real report, record by record."""
+    dst.mkdir(parents=True)
+    for f in sorted(src.glob("*.jsonl")):
+        recs = [edit(r) for r in map(json.loads, f.read_text().splitlines()) if keep(r)]
+        (dst / f.name).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return dst
+
+
+def assert_check_fails_closed(report, work, capfd, role):
+    """``kvsan check`` exits 0 only on a clean *and complete* report: on the
+    real one, and on none of its copies that lost what proves kvsan ran in
+    the engine (``role``: the process running the scheduler) up to its end."""
+    recs = read_records(str(report))
+    (engine,) = completeness.engine_processes(recs)
+    assert engine[0] == role
+    mine = [r["event"] for r in recs if (r.get("role"), r.get("pid")) == engine
+            and r.get("event") in ("kvsan.pool", "kvsan.busy", "kvsan.idle", "kvsan.shutdown")]
+    # set up, busy and at rest in turn, then shut down at rest (written before
+    # vLLM's teardown: the front end SIGKILLs an EngineCore slow to exit)
+    assert mine[0] == "kvsan.pool" and mine[1] == "kvsan.busy" and mine[-2:] == [
+        "kvsan.idle", "kvsan.shutdown"], mine
+    assert [r["in_flight"] for r in recs if r.get("event") == "kvsan.shutdown"] == [0]
+    assert check(report) == 0
+
+    def of_engine(r):
+        return (r.get("role"), r.get("pid")) == engine
+
+    def verdict(path, *opts):
+        rc = check(path, *opts)
+        return rc, capfd.readouterr().err
+
+    # the engine killed before its idle audit: no closing record at all
+    unclosed = copy_report(report, work / "unclosed", keep=lambda r: not (
+        of_engine(r) and r.get("event") in ("kvsan.idle", "kvsan.shutdown")))
+    rc, err = verdict(unclosed)
+    assert rc == 2 and f"{engine[0]}:{engine[1]} took requests" in err, err
+    assert "never wrote its closing record" in err and "--allow-unclosed" in err, err
+    assert verdict(unclosed, "--allow-unclosed")[0] == 0
+    # killed in the middle of its last busy period, after an earlier rest
+    own = [r["event"] for r in recs if of_engine(r)]
+    last_busy = max(i for i, ev in enumerate(own) if ev == "kvsan.busy")
+    assert "kvsan.idle" in own[:last_busy]
+    nth = iter(range(len(own)))
+    cut = copy_report(report, work / "cut", keep=lambda r: not of_engine(r) or
+                      next(nth) <= last_busy)
+    assert verdict(cut)[0] == 2
+    # shut down in the middle of work: the end-of-run audit could not run
+    inflight = copy_report(report, work / "inflight", edit=lambda r: dict(r, in_flight=2)
+                           if r.get("event") == "kvsan.shutdown" else r)
+    rc, err = verdict(inflight)
+    assert rc == 2 and "shut down with 2 request(s) in flight" in err, err
+    # kvsan never ran in the engine: what the other processes wrote, if any
+    no_engine = copy_report(report, work / "no_engine", keep=lambda r: not of_engine(r))
+    rc, err = verdict(no_engine)
+    assert rc == 2 and ("no engine process in the report" if role == "engine"
+                        else "empty report") in err, err
+    # kvsan never ran at all (KVSAN misspelled, plugin not installed, path wrong)
+    (work / "empty").mkdir()
+    rc, err = verdict(work / "empty")
+    assert rc == 2 and "empty report: no kvsan record at all" in err and "KVSAN=1" in err, err
+    assert verdict(work / "empty", "--allow-empty")[0] == 0
+    assert verdict(work / "nowhere", "--allow-empty")[0] == 2
+    # a corrupt report: a record cut short
+    corrupt = copy_report(report, work / "corrupt")
+    f = corrupt / os.path.basename(sorted(report.glob(f"kvsan-{role}-*.jsonl"))[0])
+    f.write_text(f.read_text()[:-20])
+    rc, err = verdict(corrupt)
+    assert rc == 2 and "not a JSON line" in err, err
 
 
 def installed(path):
@@ -72,8 +155,8 @@ def test_python_paths_in_the_engine_process(model, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["multiprocess", "inprocess"])
 def test_injected_early_free_is_reported(model, tmp_path, in_process):
-    run_once(model, str(tmp_path), seed=1, inject="double_unref_on_abort",
-             in_process=in_process)
+    _, stats = run_once(model, str(tmp_path), seed=1, inject="double_unref_on_abort",
+                        in_process=in_process)
     found = violations(str(tmp_path))
     fwl = [v for v in found if v["kind"] == "free_with_live_owners"]
     assert fwl, [v["kind"] for v in found]
@@ -84,6 +167,9 @@ def test_injected_early_free_is_reported(model, tmp_path, in_process):
     assert all(o.startswith("g") for o in v["owners"])  # request ids, no tokens
     chk = kvsan_check(str(tmp_path))
     assert chk.returncode == 1 and "free_with_live_owners" in chk.stdout
+    if "engine_error" in stats:  # the corrupted pool took the engine down: said too
+        assert "also INCOMPLETE" in chk.stderr and "request(s) in flight" in chk.stderr, \
+            (stats, chk.stderr)
 
 
 def test_a_prompt_sent_wrong_to_the_worker_is_reported_by_the_worker(model, tmp_path):

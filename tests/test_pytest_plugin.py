@@ -86,11 +86,15 @@ def test_off_unless_asked_and_on_with_flag_or_ini(inner):
     on.assert_outcomes(passed=1)
     out = on.stdout.str()
     assert "KVSAN=1 REPORT=" in out and "kvsan gate: on" in out
-    assert "kvsan gate: no unexpected violations" in out
-    assert on.ret == 0
+    # no vLLM engine ran under kvsan: no violation proves nothing, the gate fails closed
+    assert "kvsan gate: FAILED: incomplete report in " in out, out
+    assert "empty report: no kvsan record at all" in out and "--kvsan-allow-empty" in out
+    assert on.ret == 1
+    allowed = run(inner, "-s", "--kvsan", "--kvsan-allow-empty")
+    assert "kvsan gate: no unexpected violations" in allowed.stdout.str() and allowed.ret == 0
 
     inner.makeini("[pytest]\nkvsan = true\n")
-    ini = run(inner, "-s")
+    ini = run(inner, "-s", "--kvsan-allow-empty")
     assert "KVSAN=1 REPORT=" in ini.stdout.str() and ini.ret == 0
 
 
@@ -165,6 +169,47 @@ def test_expected_violations_pass_and_missing_ones_fail_the_test(inner):
     # the kind nobody declared still fails the session, attributed to its test
     assert "kvsan gate: FAILED: 1 unexpected violation(s) (3 expected)" in out, out
     res.stdout.fnmatch_lines(["*test_marks.py::test_expects_only_one_kind: refcount_underflow x1"])
+
+
+def test_gate_fails_closed_on_a_real_engine_s_reports(inner, tmp_path):
+    """A real engine run by a test under the gate (the spawned EngineCore and
+    worker write to the session's reports) passes it; the same reports
+    without the engine's closing records (as if it were killed before its
+    idle audit) fail it, by the rule ``kvsan check`` applies."""
+    from kvsan.tinymodel import ensure_tiny_model
+
+    inner.makepyfile(test_engine=f"""
+        import os, subprocess, sys
+
+        def test_engine():
+            subprocess.run([sys.executable, "-m", "kvsan.demo", {ensure_tiny_model()!r}, "1"],
+                           env=dict(os.environ, KVSAN_LOG="0"), check=True, timeout=600)
+    """)
+    report = tmp_path / "engine-report"
+    res = run(inner, "--kvsan", f"--kvsan-report={report}")
+    res.assert_outcomes(passed=1)
+    out = res.stdout.str()
+    assert "kvsan gate: no unexpected violations (0 expected) from " in out, out
+    assert "incomplete" not in out and res.ret == 0
+
+    inner.makepyfile(test_engine=f"""
+        import glob, json, os
+
+        def test_engine_killed_before_its_audit():
+            for f in glob.glob(os.path.join({str(report)!r}, "*.jsonl")):
+                lines = [line for line in open(f) if json.loads(line).get("event")
+                         not in ("kvsan.idle", "kvsan.shutdown")]
+                with open(os.path.join(os.environ["KVSAN_REPORT"], os.path.basename(f)),
+                          "w") as out:
+                    out.writelines(lines)
+    """)
+    res = run(inner, "--kvsan")
+    res.assert_outcomes(passed=1)
+    out = res.stdout.str()
+    assert res.ret == 1 and "kvsan gate: FAILED: incomplete report in " in out, out
+    assert "took requests" in out and "never wrote its closing record" in out
+    assert "--kvsan-allow-unclosed" in out
+    assert run(inner, "--kvsan", "--kvsan-allow-unclosed").ret == 0
 
 
 def test_ci_example_runs_the_suite_with_the_gate():

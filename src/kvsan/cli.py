@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections import Counter, defaultdict
 
+from . import completeness
 from .kinds import ALL_KINDS
 from .reportfile import ReportError, read_records
 
@@ -53,13 +54,29 @@ def _print_classes(viol: list[dict], out) -> None:
             print(f"    differing fields: {dict(fields)}", file=out)
 
 
+#: the option that accepts each kind of incomplete report
+CHECK_OPTIONS = {"empty": "--allow-empty", "unclosed": "--allow-unclosed"}
+
+
 def cmd_check(args) -> int:
+    """Exit 1 on any violation; else 2 unless the report is readable and
+    complete (:mod:`kvsan.completeness`), so that a run where kvsan never
+    loaded, or whose engine died before its audit, cannot pass as clean."""
     try:
         records = read_records(args.report)
     except ReportError as e:
         print(f"kvsan check: {e}", file=sys.stderr)
         return 2
-    return 1 if summarize(records) else 0
+    found = summarize(records)
+    missing = completeness.problems(records, allow_empty=args.allow_empty,
+                                    allow_unclosed=args.allow_unclosed)
+    for p in missing:
+        hint = CHECK_OPTIONS.get(p.kind)
+        print(f"kvsan check: {'also ' if found else ''}INCOMPLETE {args.report}: {p.message}"
+              + (f" ({hint} accepts this)" if hint else ""), file=sys.stderr)
+    if found:
+        return 1  # (KVSAN_MODE=abort stops the engine at its first violation: no closing record)
+    return 2 if missing else 0
 
 
 def cmd_demo(args) -> int:
@@ -90,8 +107,23 @@ def cmd_owners(args) -> int:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="kvsan", description="KV-cache sanitizer for vLLM")
     sub = p.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("check", help="summarize a JSONL report; exit 1 on any violation")
+    c = sub.add_parser(
+        "check", help="summarize a JSONL report; exit 1 on any violation, 2 unless complete",
+        description="Summarize a kvsan report. Exit 0 only when it is clean and complete; "
+                    "1 on any violation; 2 when it is unreadable or incomplete: it has no "
+                    "kvsan record from an engine process (the EngineCore, or a process "
+                    "running the engine in-process) -- kvsan did not run -- or an engine "
+                    "process never wrote its closing record (kvsan.idle after the idle "
+                    "audit, or kvsan.shutdown with no request in flight) -- it died before "
+                    "its end-of-run audit. Front ends and workers owe no closing record.")
     c.add_argument("report", help="report file, or directory of per-process reports")
+    c.add_argument("--allow-empty", action="store_true",
+                   help="exit 0 on a report with no kvsan record at all (a job where no "
+                        "engine was meant to run; the path must still exist)")
+    c.add_argument("--allow-unclosed", action="store_true",
+                   help="accept engine processes without their closing record (a job "
+                        "that kills its engine on purpose); a report must still hold "
+                        "an engine process")
     c.set_defaults(func=cmd_check)
     d = sub.add_parser("demo", help="run shared-prefix traffic on the real engine, clean "
                                     "and with an injected fault, and show what kvsan finds")

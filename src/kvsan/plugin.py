@@ -50,6 +50,7 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     if rt.role != "worker":
         installed, missing = hooks.instrument(vllm_allocator.targets())
         _install_when_imported(rt, vllm_allocator.hisparse_targets, vllm_allocator._HISPARSE)
+        _install_when_imported(rt, vllm_allocator.shutdown_targets, vllm_allocator._CORE)
     if rt.role != "worker":
         from .hooks import vllm_identity, vllm_weights
 

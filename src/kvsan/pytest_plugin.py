@@ -25,6 +25,13 @@ let it happen before it returns; the marker's ``timeout`` waits for it.  A
 violation detected outside any test (collection, session teardown, engine
 shutdown) is reported as "between tests" and fails the session like any
 other unexpected violation.
+
+The gate fails closed, as ``kvsan check`` does, by the same rule
+(:mod:`kvsan.completeness`): a session whose reports hold no engine process
+(kvsan never loaded where the engine ran, or no test started one), or an
+engine process that never wrote its closing record (it died before its
+end-of-run audit), fails.  ``--kvsan-allow-empty`` accepts a session with no
+kvsan record at all; ``--kvsan-allow-unclosed`` an unclosed engine process.
 """
 
 from __future__ import annotations
@@ -38,6 +45,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from . import completeness
+
 MARKER = "kvsan_expect"
 
 
@@ -49,6 +58,12 @@ def pytest_addoption(parser):
     group.addoption("--kvsan-report", default=None, metavar="DIR",
                     help="directory for the session's per-process kvsan reports "
                          "(default: a new temporary directory)")
+    group.addoption("--kvsan-allow-empty", action="store_true", default=False,
+                    help="do not fail the session when no kvsan record at all was written "
+                         "(no test started a vLLM engine); by default the gate fails closed")
+    group.addoption("--kvsan-allow-unclosed", action="store_true", default=False,
+                    help="do not fail the session when an engine process never wrote its "
+                         "closing record (kvsan.idle / kvsan.shutdown): one killed on purpose")
     parser.addini("kvsan", type="bool", default=False,
                   help="run the session under kvsan (same as --kvsan)")
 
@@ -62,6 +77,11 @@ def pytest_configure(config):
     )
     if config.getoption("--kvsan") or config.getini("kvsan"):
         config.pluginmanager.register(Gate(config), "kvsan-gate")
+
+
+#: the option that accepts each kind of incomplete report
+GATE_OPTIONS = {completeness.EMPTY: "--kvsan-allow-empty",
+                completeness.UNCLOSED: "--kvsan-allow-unclosed"}
 
 
 @dataclass
@@ -98,6 +118,10 @@ class Gate:
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, bytes] = {}
         self.records: list[dict] = []  # violation records, in read order
+        #: every other record (kvsan.installed, kvsan.idle, ...: a few per
+        #: process), in read order, for :mod:`kvsan.completeness`
+        self.events: list[dict] = []
+        self.incomplete: list[completeness.Problem] = []
         self.processes: set[tuple] = set()
         self._seen_inproc: dict[int, object] = {}
         self.windows: list[Window] = []
@@ -133,6 +157,8 @@ class Gate:
                     self.processes.add((rec.get("role"), rec.get("pid")))
                 if rec.get("record") == "violation":
                     self.records.append(rec)
+                else:
+                    self.events.append(rec)
         self._poll_in_process()
 
     def _poll_in_process(self) -> None:
@@ -226,10 +252,20 @@ class Gate:
     def pytest_sessionfinish(self, session, exitstatus):
         self.poll()
         self._classify()
-        if (self.unexpected or self.bad_report) and session.exitstatus in (
+        self.incomplete = self._completeness()
+        if (self.unexpected or self.bad_report or self.incomplete) and session.exitstatus in (
             pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED
         ):
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def _completeness(self) -> list:
+        """The session's reports by :func:`kvsan.completeness.problems`, as
+        ``kvsan check`` reads them (the violations a runtime in this process
+        kept without writing them to the reports count too: kvsan ran)."""
+        opt = self.config.getoption
+        return completeness.problems(self.events + self.records,
+                                     allow_empty=opt("--kvsan-allow-empty"),
+                                     allow_unclosed=opt("--kvsan-allow-unclosed"))
 
     def pytest_terminal_summary(self, terminalreporter):
         tr = terminalreporter
@@ -237,10 +273,15 @@ class Gate:
         procs = len(self.processes)
         if self.bad_report:
             tr.write_line(f"kvsan gate: FAILED: unreadable report: {self.bad_report}", red=True)
+        for p in self.incomplete:
+            hint = GATE_OPTIONS.get(p.kind)
+            tr.write_line(f"kvsan gate: FAILED: incomplete report in {self.dir}: {p.message}"
+                          + (f" ({hint} accepts this)" if hint else ""), red=True)
         if not self.unexpected:
             tr.write_line(
                 f"kvsan gate: no unexpected violations ({len(self.expected)} expected) "
-                f"from {procs} kvsan process(es); reports: {self.dir}", green=True)
+                f"from {procs} kvsan process(es); reports: {self.dir}",
+                green=not (self.incomplete or self.bad_report))
             return
         tr.write_line(
             f"kvsan gate: FAILED: {len(self.unexpected)} unexpected violation(s) "

@@ -54,6 +54,9 @@ class Runtime:
         self.hooks_installed: list[str] = []
         self.hooks_missing: list[str] = []
         self.idle_audited = False
+        #: the scheduler took a request since its last rest (``kvsan.busy``
+        #: written; ``kvsan.idle`` due)
+        self.busy = False
         #: seconds spent in kvsan's checks (exported as kvsan_overhead_seconds_total)
         self.overhead_s = 0.0
         #: monotonic time of the next per-step metrics refresh

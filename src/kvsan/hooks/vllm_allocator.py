@@ -102,6 +102,9 @@ def _pool_init(wrapped, instance, args, kwargs):
             ck.use_fast(table)
     if rt.metrics is not None:  # the pool's gauges exist before the first step
         _guard(rt, "metrics", rt.metrics.update_pool, rt.checkers[instance].shadow.stats())
+    # this process hosts a scheduler (an EngineCore, or an in-process engine
+    # in a front end): ``kvsan check`` then wants its closing record
+    rt.reporter.event("kvsan.pool", pid=rt.pid, role=rt.role, num_blocks=instance.num_gpu_blocks)
 
 
 def _get_new_blocks(wrapped, instance, args, kwargs):
@@ -638,6 +641,7 @@ def _update_ends(rt, sched, ret) -> None:
     idle = not sched.requests
     if idle and not rt.idle_audited:
         rt.idle_audited = True
+        rt.busy = False
         _guard(rt, "idle_audit", audit_scheduler, rt, sched, "kvsan.idle_audit")
         ck = _scheduler_checker(rt, sched)
         if ck is not None:
@@ -650,6 +654,73 @@ def _update_ends(rt, sched, ret) -> None:
                               pool=stats, movements=dict(ck.counters))
     elif not idle:
         rt.idle_audited = False
+
+
+def _add_request(wrapped, instance, args, kwargs):
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    if rt is not None and not rt.busy:
+        _guard(rt, "busy", now_busy, rt)
+    return ret
+
+
+def now_busy(rt) -> None:
+    """A scheduler at rest takes a request: ``kvsan.busy``, so that a report
+    whose engine died before its next ``kvsan.idle`` says so (``kvsan
+    check``), and its next rest is audited even if no step sees the request
+    (aborted before it was scheduled).  Once per busy period, not per request."""
+    rt.busy = True
+    rt.idle_audited = False
+    rt.reporter.event("kvsan.busy", step=rt.step, pid=rt.pid, role=rt.role)
+
+
+def _engine_shutdown(wrapped, instance, args, kwargs):
+    """``EngineCore.shutdown``: the engine process's closing record, written
+    (one ``os.write``, so flushed) before vLLM tears anything down: the front
+    end SIGKILLs an EngineCore that takes too long to exit."""
+    rt = _rt._runtime
+    found = None
+    if rt is not None and instance not in _SHUT_DOWN:
+        _SHUT_DOWN.add(instance)  # (a subclass's shutdown calls the base's)
+        try:
+            _guard(rt, "shutdown", write_shutdown, rt, getattr(instance, "scheduler", None))
+        except BaseException as e:  # noqa: BLE001 - a violation (raise mode): after vLLM's shutdown
+            found = e
+    ret = wrapped(*args, **kwargs)  # vLLM's teardown runs, whatever was found
+    if found is not None:
+        raise found
+    return ret
+
+
+#: the engine cores whose shutdown wrote its record
+_SHUT_DOWN: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def write_shutdown(rt, sched) -> None:
+    """The ``kvsan.shutdown`` record.  A scheduler with no request left (vLLM
+    aborts the in-flight ones before it shuts down) that was not audited
+    idle since its last request (it never served one, or its last requests
+    were aborted) is audited now; ``in_flight`` > 0 says its end-of-run
+    audit could not run (the engine is going down in the middle of work)."""
+    ck = _scheduler_checker(rt, sched) if sched is not None else None
+    in_flight = len(getattr(sched, "requests", ()) or ())
+    if ck is not None and not in_flight and not rt.idle_audited:
+        rt.idle_audited = True
+        rt.busy = False
+        _guard(rt, "shutdown_audit", audit_scheduler, rt, sched, "kvsan.shutdown_audit")
+    rt.reporter.event("kvsan.shutdown", step=rt.step, pid=rt.pid, role=rt.role,
+                      in_flight=in_flight, scheduler=ck is not None,
+                      pool=ck.shadow.stats() if ck is not None else None)
+
+
+_CORE = "vllm.v1.engine.core"
+
+
+def shutdown_targets() -> list[Target]:
+    """Patched when (if) this process imports the EngineCore (see
+    :func:`kvsan.plugin._install_when_imported`): the EngineCore process,
+    or a front end running the engine in-process."""
+    return [Target(_CORE, "EngineCore.shutdown", _engine_shutdown, True)]
 
 
 #: request status -> its text ("finished_aborted"): an enum member's
@@ -968,6 +1039,7 @@ def targets() -> list[Target]:
                owner=_REQUEST),
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
         Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
+        Target(_SCHED, "Scheduler.add_request", _add_request, True),
         Target(_SCHED, "Scheduler.schedule", _schedule, fast=("SCHED", _schedule_ends)),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
                fast=("UPDATE", _update_ends)),
