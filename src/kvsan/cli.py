@@ -113,17 +113,20 @@ def main(argv=None) -> int:
                     "1 on any violation; 2 when it is unreadable or incomplete: it has no "
                     "kvsan record from an engine process (the EngineCore, or a process "
                     "running the engine in-process) -- kvsan did not run -- or an engine "
-                    "process never wrote its closing record (kvsan.idle after the idle "
-                    "audit, or kvsan.shutdown with no request in flight) -- it died before "
-                    "its end-of-run audit. Front ends and workers owe no closing record.")
+                    "process that took requests (kvsan.busy) did not write its closing "
+                    "record after them (kvsan.idle after the idle audit, or kvsan.shutdown "
+                    "with no request in flight) -- it died, or was killed, before its "
+                    "end-of-run audit -- or it never set up its KV cache pool (kvsan.pool: "
+                    "it died while starting). Front ends and workers owe no closing record. "
+                    "Violations come first: a report with both exits 1.")
     c.add_argument("report", help="report file, or directory of per-process reports")
     c.add_argument("--allow-empty", action="store_true",
                    help="exit 0 on a report with no kvsan record at all (a job where no "
                         "engine was meant to run; the path must still exist)")
     c.add_argument("--allow-unclosed", action="store_true",
                    help="accept engine processes without their closing record (a job "
-                        "that kills its engine on purpose); a report must still hold "
-                        "an engine process")
+                        "that kills its engine, or stops a server, in the middle of "
+                        "traffic on purpose); a report must still hold an engine process")
     c.set_defaults(func=cmd_check)
     d = sub.add_parser("demo", help="run shared-prefix traffic on the real engine, clean "
                                     "and with an injected fault, and show what kvsan finds")
