@@ -178,7 +178,9 @@ def start(rt) -> int | None:
         return None
     if pid in _started:
         return _started[pid]
-    port = port_for(base, rt.role, process_rank())
+    # (the runtime's identity: the same process names :func:`process_rank`
+    # reads, the EngineCore's DP index and the worker's rank)
+    port = port_for(base, rt.role, rt.engine if rt.role == "engine" else rt.rank)
     addr = os.environ.get("KVSAN_METRICS_ADDR", "").strip() or "0.0.0.0"
     try:
         from prometheus_client import REGISTRY, start_http_server

@@ -65,13 +65,61 @@ def _prompt_sent_wrong(wrapped, instance, args, kwargs):
     return data
 
 
+#: what :func:`_scribble_sealed` did, once per process: (block, request)
+_scribbled: list = []
+
+
+def _scribble_sealed(wrapped, instance, args, kwargs):
+    """A worker writes into a block of the prefix cache outside any slot
+    mapping (a stray kernel, a bad copy, a buffer overrun from another
+    tensor), on its own shard of the cache only: the first block that a
+    running request filled with its prompt's end and its first outputs at
+    least two steps ago (sealed, and no other request's: its tokens are
+    its own) gets +1 in layer 0, before the step's forward.  Once per
+    process; with ``@rankN`` only in that worker (:func:`target`).  The
+    block and its request go to the report as ``kvsan.fault_applied``."""
+    if not _scribbled:
+        so = args[0] if args else kwargs["scheduler_output"]
+        cr = so.scheduled_cached_reqs
+        bs = instance.cache_config.block_size
+        for rid, done in zip(cr.req_ids, cr.num_computed_tokens):
+            state = instance.requests.get(rid)
+            if state is None or rid in cr.resumed_req_ids:
+                continue
+            i = len(state.prompt_token_ids or ()) // bs
+            blocks = state.block_ids[0]
+            if done >= (i + 1) * bs + 2 and i < len(blocks) and getattr(instance, "kv_caches", None):
+                from vllm.v1.kv_cache_interface import group_kernel_blocks
+
+                caches = instance.kv_caches
+                first = next(iter(caches.values())) if isinstance(caches, dict) else caches[0]
+                group_kernel_blocks(first, instance.kv_cache_config.num_blocks)[blocks[i]] += 1.0
+                _scribbled.append((blocks[i], rid))
+                from . import runtime as _rt
+
+                rt = _rt.get()
+                if rt is not None:
+                    rt.reporter.event("kvsan.fault_applied", fault="scribble_sealed",
+                                      block=blocks[i], request=rid, pid=rt.pid)
+                break
+    return wrapped(*args, **kwargs)
+
+
 FAULTS = {
     "double_unref_on_abort": (_KVM, "KVCacheManager.free", _double_unref_on_abort),
     "leak_on_abort": (_KVM, "KVCacheManager.free", _leak_on_abort),
     "touch_without_ref": (_BP, "BlockPool.touch", _touch_without_ref),
     "prompt_sent_wrong": ("vllm.v1.core.sched.output", "NewRequestData.from_request",
                           _prompt_sent_wrong),
+    "scribble_sealed": ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner.execute_model",
+                        _scribble_sealed),
 }
+
+#: faults of the worker side: injected where the model runner runs (a
+#: worker process, or the process of an in-process engine), patched when
+#: its module is imported; ``<name>@rankN`` limits one to the worker of
+#: rank N in its engine (tensor / pipeline parallel)
+WORKER_FAULTS = {"scribble_sealed"}
 
 #: what kvsan is expected to report first for each fault
 EXPECTED = {
@@ -79,7 +127,30 @@ EXPECTED = {
     "leak_on_abort": "leaked_blocks",
     "touch_without_ref": "free_with_live_owners",
     "prompt_sent_wrong": "input_token_mismatch",
+    "scribble_sealed": "checksum_mismatch",
 }
+
+
+def target(spec: str) -> tuple[str, int | None]:
+    """``KVSAN_INJECT``'s value as (fault, rank or None): ``name`` or, for
+    a worker fault, ``name@rankN``."""
+    name, sep, where = spec.strip().partition("@")
+    if not sep:
+        return name, None
+    if name not in WORKER_FAULTS or not (where.startswith("rank") and where[4:].isdigit()):
+        raise ValueError(f"KVSAN_INJECT={spec!r} is not accepted; @rankN follows a worker "
+                         f"fault only ({', '.join(sorted(WORKER_FAULTS))})")
+    return name, int(where[4:])
+
+
+def applies(spec: str, role: str, rank: int) -> bool:
+    """Whether the fault ``spec`` is injected in a process of ``role`` and
+    ``rank``: a scheduler fault where the scheduler may run (not in a
+    worker), a worker fault where a runner may run, of that rank."""
+    name, only_rank = target(spec)
+    if name not in WORKER_FAULTS:
+        return role != "worker"
+    return only_rank is None or only_rank == rank
 
 _active: list[tuple[object, str, object]] = []
 
@@ -117,6 +188,7 @@ def inject(name: str, only: str | None = None) -> None:
         import os
 
         only = os.environ.get("KVSAN_INJECT_ONLY", "").strip() or None
+    name = target(name)[0]
     if name not in FAULTS:
         raise ValueError(
             f"KVSAN_INJECT={name!r} is not a built-in fault; accepted: {', '.join(FAULTS)}"
@@ -127,12 +199,23 @@ def inject(name: str, only: str | None = None) -> None:
     import importlib
 
     cls_name, attr = qualname.split(".")
-    cls = getattr(importlib.import_module(module), cls_name)
-    _active.append((cls, attr, cls.__dict__[attr]))
-    wrapt.wrap_function_wrapper(cls, attr, _only(wrapper, only) if only else wrapper)
+    wrapper = _only(wrapper, only) if only and name not in WORKER_FAULTS else wrapper
+
+    def patch(mod):
+        cls = getattr(mod, cls_name)
+        _active.append((cls, attr, cls.__dict__[attr]))
+        wrapt.wrap_function_wrapper(cls, attr, wrapper)
+
+    if name in WORKER_FAULTS:  # where (if) this process imports the runner: outside kvsan's hooks
+        _active.append((None, None, None))
+        wrapt.register_post_import_hook(lambda mod: patch(mod) if _active else None, module)
+        return
+    patch(importlib.import_module(module))
 
 
 def clear() -> None:
     while _active:
         cls, attr, original = _active.pop()
-        setattr(cls, attr, original)
+        if cls is not None:
+            setattr(cls, attr, original)
+    _scribbled.clear()

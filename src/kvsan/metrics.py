@@ -1,6 +1,7 @@
 """kvsan's Prometheus metrics (``kvsan_*``).
 
-Labels stay low-cardinality: ``kind`` (a fixed set) and ``role``.  Request ids
+Labels stay low-cardinality: ``kind`` (a fixed set), ``role``, ``engine``
+and ``rank`` (see :data:`LABELS`).  Request ids
 never become labels; they are in the logs and the JSONL report.  Gauges
 declare a multiprocess mode so that, with ``PROMETHEUS_MULTIPROC_DIR`` set
 before launch, vLLM's own ``/metrics`` aggregates the EngineCore's values.
@@ -11,8 +12,15 @@ from __future__ import annotations
 from .kinds import ALL_KINDS
 
 
+#: the labels of every ``kvsan_*`` series besides ``kind``: which process
+#: (``role``: frontend, engine or worker), of which data-parallel engine
+#: (``engine``, 0 without DP) and which worker rank in it (``rank``, 0 for
+#: the EngineCore and the front end).  A fixed, small set.
+LABELS = ("role", "engine", "rank")
+
+
 class Metrics:
-    def __init__(self, role: str, registry=None):
+    def __init__(self, role: str, registry=None, engine: int = 0, rank: int = 0):
         from prometheus_client import REGISTRY, Counter, Gauge
 
         registry = REGISTRY if registry is None else registry
@@ -20,57 +28,88 @@ class Metrics:
         self._violations = Counter(
             "kvsan_violations",
             "KV-cache invariant violations detected by kvsan, by kind.",
-            ["kind", "role"],
+            ["kind", *LABELS],
             registry=registry,
         )
-        for kind in ALL_KINDS:  # export zeros so dashboards and alerts see every kind
-            self._violations.labels(kind=kind, role=role)
-        self._internal = Counter(
+        self._internal_family = Counter(
             "kvsan_internal_errors",
             "Failures inside kvsan itself (never propagated to the engine in log mode).",
-            ["role"],
+            list(LABELS),
             registry=registry,
         )
-        self._internal.labels(role=role)
 
         def gauge(name, doc):
-            return Gauge(name, doc, ["role"], registry=registry, multiprocess_mode="livesum")
+            return Gauge(name, doc, list(LABELS), registry=registry, multiprocess_mode="livesum")
 
-        self.live_owned = gauge(
-            "kvsan_live_owned_blocks", "Blocks held by at least one live owner."
-        ).labels(role=role)
-        self.cached_evictable = gauge(
-            "kvsan_cached_evictable_blocks",
-            "Blocks with no owner that keep a prefix-cache entry (reclaimable, not leaked).",
-        ).labels(role=role)
-        self.free = gauge(
-            "kvsan_free_blocks", "Blocks with no owner and no cache entry."
-        ).labels(role=role)
-        self.leaked = gauge(
-            "kvsan_leaked_blocks", "Blocks still held by requests whose release path has run."
-        ).labels(role=role)
-        self.tracked_requests = gauge(
-            "kvsan_tracked_requests", "Requests that currently hold KV blocks."
-        ).labels(role=role)
-
-        self.orphans = gauge(
-            "kvsan_orphan_blocks",
-            "Blocks with no live owner that are not free (found by the full audit).",
-        ).labels(role=role)
-        self._overhead = Counter(
+        self._gauges = {
+            "live_owned": gauge(
+                "kvsan_live_owned_blocks", "Blocks held by at least one live owner."),
+            "cached_evictable": gauge(
+                "kvsan_cached_evictable_blocks",
+                "Blocks with no owner that keep a prefix-cache entry (reclaimable, not leaked)."),
+            "free": gauge("kvsan_free_blocks", "Blocks with no owner and no cache entry."),
+            "leaked": gauge(
+                "kvsan_leaked_blocks",
+                "Blocks still held by requests whose release path has run."),
+            "tracked_requests": gauge(
+                "kvsan_tracked_requests", "Requests that currently hold KV blocks."),
+            "orphans": gauge(
+                "kvsan_orphan_blocks",
+                "Blocks with no live owner that are not free (found by the full audit)."),
+        }
+        self._overhead_family = Counter(
             "kvsan_overhead_seconds",
             "Wall time spent inside kvsan's checks (seconds).",
-            ["role"],
+            list(LABELS),
             registry=registry,
-        ).labels(role=role)
-        self._steps = Counter(
+        )
+        self._steps_family = Counter(
             "kvsan_scheduler_steps",
             "Scheduler steps observed by kvsan.",
-            ["role"],
+            list(LABELS),
             registry=registry,
-        ).labels(role=role)
+        )
         self._flushed_overhead = 0.0
         self._flushed_steps = 0
+        self._bind(engine, rank)
+
+    def _bind(self, engine: int, rank: int) -> None:
+        """Bind every series to this process's labels."""
+        self.engine, self.rank = int(engine), int(rank)
+        self._labels = dict(role=self.role, engine=str(self.engine), rank=str(self.rank))
+        for kind in ALL_KINDS:  # export zeros so dashboards and alerts see every kind
+            self._violations.labels(kind=kind, **self._labels)
+        self._internal = self._internal_family.labels(**self._labels)
+        for attr, family in self._gauges.items():
+            setattr(self, attr, family.labels(**self._labels))
+        self._overhead = self._overhead_family.labels(**self._labels)
+        self._steps = self._steps_family.labels(**self._labels)
+
+    def relabel(self, engine: int, rank: int) -> None:
+        """This process's engine or rank turned out other than its name
+        said: its series move to the right labels (counters keep their
+        counts; the old label set is removed, where the registry allows)."""
+        old = dict(self._labels)
+        counts = {kind: self._violations.labels(kind=kind, **old)._value.get()
+                  for kind in ALL_KINDS}
+        internal = self._internal._value.get()
+        overhead, steps = self._overhead._value.get(), self._steps._value.get()
+        try:
+            for kind in ALL_KINDS:
+                self._violations.remove(kind, *old.values())
+            for family in (self._internal_family, self._overhead_family, self._steps_family,
+                           *self._gauges.values()):
+                family.remove(*old.values())
+        except Exception:  # noqa: BLE001 - multiprocess mode keeps what was written
+            pass
+        self._bind(engine, rank)
+        for kind, n in counts.items():
+            if n:
+                self._violations.labels(kind=kind, **self._labels).inc(n)
+        for child, n in ((self._internal, internal), (self._overhead, overhead),
+                         (self._steps, steps)):
+            if n:
+                child.inc(n)
 
     def flush_counters(self, overhead_s: float, steps: int) -> None:
         """Advance the overhead and step counters to the runtime's totals.
@@ -85,10 +124,10 @@ class Metrics:
             self._flushed_steps = steps
 
     def violation(self, kind: str) -> None:
-        self._violations.labels(kind=kind, role=self.role).inc()
+        self._violations.labels(kind=kind, **self._labels).inc()
 
     def internal_error(self) -> None:
-        self._internal.labels(role=self.role).inc()
+        self._internal.inc()
 
     def update_pool(self, stats: dict[str, int]) -> None:
         self.live_owned.set(stats["live_owned"])

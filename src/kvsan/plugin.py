@@ -171,8 +171,9 @@ def register() -> None:
 
         exporter.start(rt)  # KVSAN_METRICS_PORT / PROMETHEUS_MULTIPROC_DIR
     fault = os.environ.get("KVSAN_INJECT", "").strip()
-    if fault and not already and rt.role != "worker":
+    if fault and not already:
         from . import faults
 
-        faults.inject(fault)
-        rt.reporter.event("kvsan.fault_injected", fault=fault, pid=os.getpid(), role=rt.role)
+        if faults.applies(fault, rt.role, rt.rank):  # (a worker fault: of this rank)
+            faults.inject(fault)
+            rt.reporter.event("kvsan.fault_injected", fault=fault, pid=os.getpid(), role=rt.role)

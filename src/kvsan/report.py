@@ -47,6 +47,10 @@ class Violation:
     pool: str = "gpu"
     pid: int = 0
     role: str = ""
+    #: the data-parallel engine index, and the worker's rank in its engine
+    #: (0 for an EngineCore and the front end)
+    engine: int = 0
+    rank: int = 0
     ts: float = 0.0
 
     def to_record(self) -> dict[str, Any]:
@@ -120,9 +124,11 @@ class Reporter:
 
     MAX_KEPT = 10_000
 
-    def __init__(self, config: Config, role: str, metrics=None):
+    def __init__(self, config: Config, role: str, metrics=None, engine: int = 0, rank: int = 0):
         self.config = config
         self.role = role
+        self.engine = engine
+        self.rank = rank
         self.metrics = metrics
         self.counts: Counter[str] = Counter()
         self.kept: deque[Violation] = deque(maxlen=self.MAX_KEPT)
@@ -135,6 +141,8 @@ class Reporter:
     def emit(self, v: Violation) -> None:
         v.pid = os.getpid()
         v.role = self.role
+        v.engine = self.engine
+        v.rank = self.rank
         v.ts = time.time()
         self.counts[v.kind] += 1
         self.kept.append(v)
@@ -161,7 +169,9 @@ class Reporter:
 
     # -- other records ------------------------------------------------------
     def event(self, name: str, **fields: Any) -> None:
-        """A non-violation record (``kvsan.installed``, audits, ...)."""
+        """A non-violation record (``kvsan.installed``, audits, ...), with
+        this process's ``role``, ``engine`` and ``rank``."""
+        fields = {"role": self.role, "engine": self.engine, "rank": self.rank, **fields}
         if self._log is not None:
             self._log.info(name, **fields)
         if self._sink is not None:
@@ -181,7 +191,8 @@ class Reporter:
             if self._sink is not None:
                 self._sink.write({"record": "event", "event": "kvsan.internal_error",
                                   "schema": SCHEMA, "where": where, "error": error,
-                                  "pid": os.getpid(), "role": self.role})
+                                  "pid": os.getpid(), "role": self.role,
+                                  "engine": self.engine, "rank": self.rank})
         if self.config.mode != "log":
             raise exc
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import weakref
 
 from .config import Config
@@ -26,6 +27,41 @@ def detect_role() -> str:
     return "frontend"
 
 
+def _trailing(pattern: str, name: str | None) -> int | None:
+    m = re.fullmatch(pattern, name or "")
+    return int(m.group(1)) if m else None
+
+
+def detect_identity(role: str) -> tuple[int, int]:
+    """``(engine, rank)`` of this process, from the names vLLM gives the
+    processes it starts: an EngineCore of data-parallel engine N is
+    ``EngineCore_DPN`` (plain ``EngineCore`` without DP); a worker is
+    ``VllmWorker-R`` (R its rank in its engine's executor: TP x PP) and
+    its parent is its engine's EngineCore.  0 where a name carries none
+    (the front end, an in-process engine).  A worker whose runner kvsan
+    hooks confirms both from vLLM's parallel state (:func:`set_identity`)."""
+    me = multiprocessing.current_process().name
+    if role == "engine":
+        return _trailing(r"EngineCore_DP(\d+)", me) or 0, 0
+    if role == "worker":
+        parent = multiprocessing.parent_process()
+        engine = _trailing(r"EngineCore_DP(\d+)", parent.name if parent else None) or 0
+        return engine, _trailing(r"(?:VllmWorker-|Worker_TP)(\d+)", me) or 0
+    return 0, 0
+
+
+def set_identity(rt: "Runtime", engine: int, rank: int) -> None:
+    """Correct this process's engine index and rank (once vLLM's parallel
+    state is known): every later record and metric carries them."""
+    engine, rank = int(engine), int(rank)
+    if (engine, rank) == (rt.engine, rt.rank):
+        return
+    rt.engine, rt.rank = engine, rank
+    rt.reporter.engine, rt.reporter.rank = engine, rank
+    if rt.metrics is not None:
+        rt.metrics.relabel(engine, rank)
+
+
 class Runtime:
     #: ``step`` is a slot: kvsan's native hooks read it on every allocator
     #: event, at a fixed offset (everything else stays in ``__dict__``).
@@ -37,15 +73,20 @@ class Runtime:
         self.config = config
         self.pid = os.getpid()
         self.role = role or detect_role()
+        #: the data-parallel engine index and the worker's rank in its
+        #: engine (0 for an EngineCore and the front end): with ``role``,
+        #: on every record and metric
+        self.engine, self.rank = detect_identity(self.role)
         self.metrics = None
         if metrics:
             try:
                 from .metrics import Metrics
 
-                self.metrics = Metrics(self.role)
+                self.metrics = Metrics(self.role, engine=self.engine, rank=self.rank)
             except ValueError:  # already registered in this registry (re-init)
                 self.metrics = None
-        self.reporter = Reporter(config, self.role, self.metrics)
+        self.reporter = Reporter(config, self.role, self.metrics,
+                                 engine=self.engine, rank=self.rank)
         self.step = 0
         #: stack of (owner, tag) pushed by request-scoped hooks
         self.owner_ctx: list[tuple[str, str]] = []

@@ -142,6 +142,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
             return None  # KV cache not allocated yet (profiling / warm-up)
         if runner in _unfollowed:
             return None
+        _identify(rt, runner)
         cfg = runner.kv_cache_config
         why = unfollowed(cfg, _dcp_size(runner))
         if why is not None:
@@ -179,6 +180,42 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
                           else "batch rows" if inputs else "off",
                           read_extents=reads, block_rows=rows)
     return dc
+
+
+def parallel_identity(runner) -> tuple[int, int] | None:
+    """``(engine, rank)`` of the worker running ``runner``, from vLLM's own
+    state: the data-parallel engine index of its parallel config, and its
+    rank in its engine's world (TP x PP x PCP; vLLM's world group spans the
+    DP engines of a MoE model, hence the modulo).  None before vLLM's
+    parallel groups exist (a runner outside a worker's set-up)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return None
+    cfg = runner.parallel_config
+    engine = getattr(cfg, "data_parallel_index", None)
+    if engine is None:
+        engine = cfg.data_parallel_rank
+    rank = ps.get_world_group().rank_in_group % max(int(cfg.world_size), 1)
+    return int(engine), int(rank)
+
+
+def _identify(rt, runner) -> None:
+    """Set the worker's engine and rank (on every later record and metric)
+    once, when its runner's checker is made: vLLM's parallel state is the
+    authority; the process name gave the first guess.  Only where the
+    runner is a worker's (an in-process engine's stays the front end's)."""
+    if rt.role != "worker":
+        return
+    try:
+        got = parallel_identity(runner)
+        if got is not None:
+            _rt.set_identity(rt, *got)
+    except Exception as e:  # noqa: BLE001 - the process name's guess stays
+        try:
+            rt.reporter.internal_error("worker identity", e)
+        except Exception:  # noqa: BLE001 - never raised into vLLM for this
+            pass
 
 
 def _begin(rt, runner, so):
