@@ -10,10 +10,12 @@ moment of the fault is known:
    just before the fault), then A is cancelled: the fault's cancel path
    frees the shared blocks while B still reads them.
 
-Then the front end keeps stepping until the engine ends; after ``LIMIT_S``
-a watchdog reports a hang.  Prints one ``KVSAN_ABORT {json}`` line: the request ids, the
-snapshot rows, the error the front end saw, how long it took, and the
-EngineCore process's exit status.
+With ``c`` after the model (log mode), a new request C is prefilled after
+the cancel and the child ends (``tests/test_quarantine.py``).  Otherwise
+the front end keeps stepping until the engine ends; after ``LIMIT_S`` a
+watchdog reports a hang.  Prints one ``KVSAN_ABORT {json}`` line: the
+snapshot rows (request ids), the error the front end saw, how long it
+took, and the EngineCore process's exit status.
 
     KVSAN=1 KVSAN_MODE=abort KVSAN_INJECT=double_unref_on_abort \\
         KVSAN_REPORT=dir/ python tests/abort_mode_child.py MODEL
@@ -38,12 +40,12 @@ def step_until_output(engine, rid: str) -> None:
     raise RuntimeError(f"{rid} produced no token")
 
 
-def add(engine, rid: str, tail: list[int]) -> None:
+def add(engine, rid: str, tail: list[int], prefix: bool = True) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
-    engine.add_request(rid, TokensPrompt(prompt_token_ids=PREFIX + tail), params)
+    engine.add_request(rid, TokensPrompt(prompt_token_ids=(PREFIX if prefix else []) + tail), params)
 
 
 def engine_exit_codes(llm) -> dict:
@@ -53,7 +55,16 @@ def engine_exit_codes(llm) -> dict:
     return {p.name: p.exitcode for p in getattr(manager, "processes", ())}
 
 
-def main(model: str) -> None:
+def next_request(engine, snap: dict) -> None:
+    """``c`` mode (log mode): after the cancel, a new request C with no
+    shared prefix is prefilled; its blocks come from the head of the free
+    queue (what ``KVSAN_QUARANTINE=pressure`` changes)."""
+    add(engine, "C", list(range(300, 340)), prefix=False)
+    step_until_output(engine, "C")
+    emit({"owners": snap.get("owners"), "error": None})
+
+
+def main(model: str, then_c: bool = False) -> None:
     from vllm import LLM
 
     from kvsan import owners, traffic
@@ -66,6 +77,8 @@ def main(model: str) -> None:
     step_until_output(engine, "A")
     snap = owners.from_llm(llm)[0]
     engine.abort_request(["A"])
+    if then_c:
+        return next_request(engine, snap)
     t0 = time.monotonic()
     watchdog = threading.Timer(LIMIT_S, report_hang, (snap, t0))
     watchdog.daemon = True
@@ -99,4 +112,4 @@ def report_hang(snap: dict, t0: float) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], then_c=sys.argv[2:] == ["c"])

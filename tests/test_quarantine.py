@@ -155,3 +155,63 @@ def test_a_violation_still_propagates_through_the_pressure_hook_in_raise_mode(pr
         rt.reporter.config = saved
     v = e.value.violation
     assert (v.kind, v.blocks, v.owners, v.actor) == ("free_with_live_owners", [shared], ["B"], "A")
+
+
+def engine_run(tmp_path, quarantine):
+    """tests/abort_mode_child.py in log mode with ``touch_without_ref``
+    (A's prefix hit on B's blocks takes no reference, so cancelling A frees
+    them under B), then a new request C: the engine end to end, kvsan and
+    the quarantine mode loaded from the environment as a user sets them."""
+    import os
+    import subprocess
+    import sys
+
+    from kvsan.enginedrive import read_marked
+    from kvsan.reportfile import violations
+    from kvsan.tinymodel import ensure_tiny_model
+
+    env = dict(os.environ, KVSAN="1", KVSAN_MODE="log", KVSAN_LOG="0",
+               KVSAN_REPORT=str(tmp_path) + os.sep, KVSAN_INJECT="touch_without_ref",
+               KVSAN_QUARANTINE=quarantine)
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("KVSAN_INJECT_ONLY", None)
+    child = os.path.join(os.path.dirname(__file__), "abort_mode_child.py")
+    proc = subprocess.run([sys.executable, child, ensure_tiny_model(), "c"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    got = None
+    for line in proc.stdout.splitlines():
+        got = read_marked(line, "KVSAN_ABORT ") or got
+    assert proc.returncode == 0 and got is not None, proc.stderr[-3000:]
+    ids = {r["owner"][0]: r["owner"] for r in got["owners"]}  # A, B -> internal ids
+    found = violations(str(tmp_path))
+    worker = [(v["kind"], v["blocks"], v["owners"], v["actor"]) for v in found
+              if v["role"] == "worker"]
+    found = [v for v in found if v["role"] == "engine"]
+    # up to B's own release when the child ends (B's blocks were already
+    # freed under it: what follows is the fault's aftermath)
+    until = next((i for i, v in enumerate(found) if v["actor"] == ids["B"]), len(found))
+    return ids, [(v["kind"], v["blocks"], v["owners"], v["actor"]) for v in found[:until]], worker
+
+
+@pytest.mark.e2e
+def test_pressure_in_the_engine_turns_the_early_free_into_a_reuse(tmp_path):
+    """B holds blocks 1-3 of a fresh pool (0 is the null block), A hits 1
+    and 2; cancelling A frees 2 and 1 (tail first) under B.  vLLM queues them
+    last (cached, LRU), so without pressure C gets other blocks and only the
+    free is reported; with ``KVSAN_QUARANTINE=pressure`` they are next in
+    line, C's prefill takes both, and kvsan reports the reuse of each, naming
+    B, the live owner, and C."""
+    ids, found, worker = engine_run(tmp_path / "lru", "0")
+    freed = [("free_with_live_owners", [b], [ids["B"]], ids["A"]) for b in (2, 1)]
+    assert found == freed and worker == []
+    ids, found, worker = engine_run(tmp_path / "pressure", "pressure")
+    freed = [("free_with_live_owners", [b], [ids["B"]], ids["A"]) for b in (2, 1)]
+    assert found[:2] == freed
+    c = next(v[3] for v in found if v[0] == "reuse_with_live_owners")
+    assert c.startswith("C-")  # the next request to allocate
+    assert sorted(found[2:]) == sorted(
+        [(kind, [b], [ids["B"]], c) for b in (2, 1)
+         for kind in ("reuse_with_live_owners", "evict_with_live_owners")]), found
+    # the worker sees it too: C's block-table row names blocks B's still holds
+    assert sorted(worker) == sorted(
+        [("reuse_with_live_owners", [b], [ids["B"]], c) for b in (2, 1)]), worker
