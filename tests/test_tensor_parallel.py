@@ -55,6 +55,7 @@ def test_every_process_says_its_role_engine_and_rank(tp_run):
     assert len({r["pid"] for r in on}) == 2 and {r["num_blocks"] for r in on} == {24}
     # every record of the report carries the three labels
     assert all({"role", "engine", "rank"} <= r.keys() for r in read_records(report))
+    assert events(report, "kvsan.internal_error") == []  # (the ranks confirmed from vLLM's state)
 
 
 def test_a_scribble_on_rank_1_is_reported_by_rank_1_only(tp_run):
