@@ -593,6 +593,9 @@ def test_exporter_ports_and_bad_values():
     assert [exporter.port_for(9400, r, k) for r, k in
             (("frontend", 0), ("engine", 0), ("engine", 1), ("worker", 0), ("worker", 7))] == [
         9400, 9401, 9402, 9500, 9507]
+    # data-parallel engines on one node: each has a rank-0 worker, on its own port
+    assert [exporter.port_for(9400, "worker", k, e) for e, k in ((0, 0), (1, 0), (1, 3))] == [
+        9500, 9600, 9603]
     assert exporter.metrics_port_from_env({}) is None
     for bad in ("x", "0", "70000", "-1"):
         with pytest.raises(ConfigError, match="KVSAN_METRICS_PORT"):

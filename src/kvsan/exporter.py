@@ -9,8 +9,10 @@ Two ways, chosen per process at install time:
   own endpoint.  Gauges declare ``multiprocess_mode="livesum"``; kvsan
   removes its process's live-gauge files when the process ends.
 * ``KVSAN_METRICS_PORT=<base>``: each process also serves its own registry
-  on ``base + offset``: front end ``+0``, EngineCore ``+1+dp_rank``,
-  worker ``+100+rank``.  ``KVSAN_METRICS_ADDR`` (default ``0.0.0.0``) is
+  on ``base + offset``: front end ``+0``, EngineCore ``+1+engine``,
+  worker ``+100*(1+engine)+rank`` (``engine``: the data-parallel engine
+  index; several engines on one node each have a rank-0 worker, so a
+  worker's port depends on both).  ``KVSAN_METRICS_ADDR`` (default ``0.0.0.0``) is
   the bind address.  Without ``PROMETHEUS_MULTIPROC_DIR`` this is how the
   EngineCore's and the workers' series are reached (the front end's are on
   vLLM's ``/metrics`` either way).
@@ -44,11 +46,13 @@ def process_rank(name: str | None = None) -> int:
     return int(m.group(1)) if m else 0
 
 
-def port_for(base: int, role: str, rank: int = 0) -> int:
+def port_for(base: int, role: str, rank: int = 0, engine: int = 0) -> int:
+    """The exporter port of a process: ``rank`` is an EngineCore's engine
+    index or a worker's rank in its engine (``engine``)."""
     if role == "engine":
         return base + ENGINE_OFFSET + rank
     if role == "worker":
-        return base + WORKER_OFFSET + rank
+        return base + WORKER_OFFSET * (1 + engine) + rank
     return base
 
 
@@ -180,7 +184,7 @@ def start(rt) -> int | None:
         return _started[pid]
     # (the runtime's identity: the same process names :func:`process_rank`
     # reads, the EngineCore's DP index and the worker's rank)
-    port = port_for(base, rt.role, rt.engine if rt.role == "engine" else rt.rank)
+    port = port_for(base, rt.role, rt.engine if rt.role == "engine" else rt.rank, rt.engine)
     addr = os.environ.get("KVSAN_METRICS_ADDR", "").strip() or "0.0.0.0"
     try:
         from prometheus_client import REGISTRY, start_http_server
