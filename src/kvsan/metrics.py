@@ -111,6 +111,20 @@ class Metrics:
             if n:
                 child.inc(n)
 
+    def forked(self, role: str, engine: int, rank: int) -> "Metrics":
+        """In a forked child: the families are registered already (the
+        registry is inherited), but their series and values are the
+        parent's.  Drop them all and bind this process's labels: the child
+        exports its own counts only (the parent keeps exporting its own)."""
+        for family in (self._violations, self._internal_family, self._overhead_family,
+                       self._steps_family, *self._gauges.values()):
+            family.clear()
+        self.role = role
+        self._flushed_overhead = 0.0
+        self._flushed_steps = 0
+        self._bind(engine, rank)
+        return self
+
     def flush_counters(self, overhead_s: float, steps: int) -> None:
         """Advance the overhead and step counters to the runtime's totals.
         The hot path only adds to plain numbers; this runs once per step."""

@@ -33,15 +33,22 @@ def _vllm_version() -> str | None:
     return None
 
 
-def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
-    """Install kvsan in this process with an explicit config (idempotent)."""
+def install(cfg: _config.Config, role: str | None = None,
+            forked_from: _rt.Runtime | None = None) -> _rt.Runtime:
+    """Install kvsan in this process with an explicit config (idempotent).
+    ``forked_from``: the parent's runtime, in a forked child
+    (:func:`install_forked`)."""
     rt = _rt.get()
     if rt is not None and rt.pid == os.getpid():
         return rt
     from . import hooks
     from .hooks import vllm_allocator
 
-    rt = _rt.Runtime(cfg, role=role)
+    # (a forked child: the metric families are the parent's, re-labelled)
+    inherited = forked_from.metrics if forked_from is not None else None
+    rt = _rt.Runtime(cfg, role=role, metrics=inherited is None)
+    if inherited is not None:
+        rt.metrics = rt.reporter.metrics = inherited.forked(rt.role, rt.engine, rt.rank)
     _rt.set_runtime(rt)
     rt.native = hooks.use_native(cfg.native)
     version = _vllm_version()
@@ -59,7 +66,10 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
     if rt.role != "worker" and (cfg.quarantine or cfg.pressure) and not missing:
         from .hooks import vllm_quarantine
 
-        installed.extend(vllm_quarantine.install(cfg))
+        if vllm_quarantine._patched:  # (a forked child: patched in the parent)
+            installed.extend(f"quarantine:{c.__name__}.{a}" for c, a, _ in vllm_quarantine._patched)
+        else:
+            installed.extend(vllm_quarantine.install(cfg))
     _install_device_hooks(rt, installed, missing)
     if rt.role != "worker":
         _install_owners_utility()
@@ -84,8 +94,78 @@ def install(cfg: _config.Config, role: str | None = None) -> _rt.Runtime:
         vllm=version,
         hooks=installed,
         missing=problems,
+        **({"forked_from": forked_from.pid} if forked_from is not None else {}),
     )
     return rt
+
+
+def install_forked(parent: _rt.Runtime) -> _rt.Runtime | None:
+    """kvsan in a forked child (``VLLM_WORKER_MULTIPROC_METHOD=fork``: the
+    EngineCore forked from the front end, a worker from its EngineCore; or
+    a bare ``os.fork``), called by :mod:`kvsan.runtime`'s fork handlers once
+    the child has its name.  vLLM does not call :func:`register` there (its
+    "plugins loaded" flag is inherited), so this does what it does: install
+    for the child's own role, engine and rank (the hooks the parent patched
+    are inherited and kept, the child's own are added: a worker's device
+    hooks at once, post-import hooks for modules imported later), with its
+    own report file, metrics series, exporter, ``kvsan.installed`` record
+    and fault.  Never raises (a fork handler's exception would be lost);
+    ``KVSAN_STRICT=1`` ends the child as it would end a spawned one."""
+    try:
+        _drop_inherited_fault()
+        rt = install(parent.config, forked_from=parent)
+        _start_process(rt, forked=True)
+        return rt
+    except HookError as e:
+        sys.stderr.write(f"{e}\n")
+        sys.stderr.flush()
+        os._exit(1)
+    except Exception as e:  # noqa: BLE001 - never into the child's own code
+        rt = _rt.get()
+        if rt is not None:
+            try:
+                rt.reporter.internal_error("install after fork", e)
+            except Exception:  # noqa: BLE001 - raise/abort modes re-raise; not here
+                pass
+        else:
+            sys.stderr.write(f"kvsan: not installed in forked process {os.getpid()}: "
+                             f"{type(e).__name__}: {e}\n")
+        return rt
+
+
+def _start_process(rt: _rt.Runtime, forked: bool = False) -> None:
+    """What a process does once, after :func:`install`: its exporter and the
+    fault ``KVSAN_INJECT`` names, if it applies to this role and rank."""
+    from . import exporter
+
+    exporter.start(rt)  # KVSAN_METRICS_PORT / PROMETHEUS_MULTIPROC_DIR
+    fault = os.environ.get("KVSAN_INJECT", "").strip()
+    if not fault:
+        return
+    from . import faults
+
+    if faults.applies(fault, rt.role, rt.rank):  # (a worker fault: of this rank)
+        if forked:
+            faults._scribbled.clear()  # (once per process: this one)
+        faults.inject(fault)  # (inherited from the parent: kept)
+        rt.reporter.event("kvsan.fault_injected", fault=fault, pid=os.getpid(), role=rt.role)
+
+
+def _drop_inherited_fault() -> None:
+    """In a forked child, before it imports anything: a worker fault the
+    parent injected (its post-import patch, pending or made) that is not
+    this child's (``@rankN`` of another rank) is removed, before the
+    child's own hooks are patched over it."""
+    fault = os.environ.get("KVSAN_INJECT", "").strip()
+    if not fault:
+        return
+    from . import faults
+
+    role = _rt.detect_role()
+    name, _ = faults.target(fault)
+    if name in faults.WORKER_FAULTS and not faults.applies(fault, role,
+                                                          _rt.detect_identity(role)[1]):
+        faults.clear()
 
 
 def _install_when_imported(rt, targets, module: str) -> None:
@@ -167,13 +247,4 @@ def register() -> None:
     already = _rt.get() is not None and _rt.get().pid == os.getpid()
     rt = install(cfg)
     if not already:
-        from . import exporter
-
-        exporter.start(rt)  # KVSAN_METRICS_PORT / PROMETHEUS_MULTIPROC_DIR
-    fault = os.environ.get("KVSAN_INJECT", "").strip()
-    if fault and not already:
-        from . import faults
-
-        if faults.applies(fault, rt.role, rt.rank):  # (a worker fault: of this rank)
-            faults.inject(fault)
-            rt.reporter.event("kvsan.fault_injected", fault=fault, pid=os.getpid(), role=rt.role)
+        _start_process(rt)

@@ -93,6 +93,16 @@ class JsonlSink:
             os.close(self._fd)
         self._fd = None
 
+    def forget_inherited(self) -> None:
+        """In a forked child: close this process's copy of the parent's
+        descriptor (the parent's stays open) and never write through it."""
+        if self._fd is not None and self._pid != os.getpid():
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = None
+
 
 def _make_logger():
     import structlog

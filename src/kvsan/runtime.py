@@ -3,12 +3,14 @@ step counter, the owner context the hooks push, and the checkers of the
 pools this process tracks.
 
 Created lazily and re-created in a forked child (a fork inherits the patched
-classes but must not share open report descriptors or exporter threads).
+classes but must not share open report descriptors or exporter threads, nor
+the parent's role, counters or pools: :func:`_after_fork_in_child`).
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import re
 import weakref
@@ -134,17 +136,61 @@ def set_runtime(rt: Runtime | None) -> None:
     _runtime = rt
 
 
+#: the parent's runtime, between a fork and the moment the child knows who
+#: it is (see :func:`_after_fork_in_child`)
+_forked_from: Runtime | None = None
+
+
+def _forked_by_multiprocessing() -> bool:
+    """Whether this fork is multiprocessing's (``Process.start`` with the
+    fork method): the child's name, hence its role, is set only later, by
+    its bootstrap, which then runs :func:`_child_named`."""
+    import sys
+
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename.endswith(("multiprocessing/popen_fork.py",
+                                          "multiprocessing/forkserver.py")):
+            return True
+        f = f.f_back
+    return False
+
+
 def _after_fork_in_child() -> None:
+    """A forked child inherits the parent's runtime (and the patched classes,
+    and vLLM's "plugins loaded" flag: ``register`` is not called again).
+    Nothing of the parent's is kept: its runtime is set aside at once (no
+    hook records into it: its report descriptor, counters, pools and role
+    are the parent's) and kvsan is installed again for the child
+    (:func:`kvsan.plugin.install_forked`) once the child knows its role:
+    at once after a bare ``os.fork``, or after multiprocessing's bootstrap
+    named the process (``EngineCore``, ``VllmWorker-N``)."""
+    global _forked_from
     rt = _runtime
-    if rt is None:
+    if rt is None or rt.pid == os.getpid():
         return
-    child = Runtime(rt.config, role=detect_role(), metrics=False)
-    child.metrics = rt.metrics
-    child.reporter.metrics = rt.metrics
-    child.hooks_installed = rt.hooks_installed
-    child.hooks_missing = rt.hooks_missing
-    child.native = rt.native
-    set_runtime(child)
+    set_runtime(None)
+    if rt.reporter._sink is not None:
+        rt.reporter._sink.forget_inherited()
+    _forked_from = rt
+    if not _forked_by_multiprocessing():
+        _child_named()
 
 
+def _child_named(_obj=None) -> None:
+    global _forked_from
+    parent, _forked_from = _forked_from, None
+    if parent is None or _runtime is not None:
+        return
+    from . import plugin
+
+    plugin.install_forked(parent)
+
+
+class _AfterFork:  # (multiprocessing keeps a weak reference to the object)
+    pass
+
+
+_AFTER_FORK = _AfterFork()
 os.register_at_fork(after_in_child=_after_fork_in_child)
+multiprocessing.util.register_after_fork(_AFTER_FORK, _child_named)
