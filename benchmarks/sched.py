@@ -15,9 +15,8 @@ installed for its whole life or not at all, advance one step each in turn,
 in a new random order every turn.  A
 shared 2-core machine drifts by tens of percent over seconds; step-level
 interleaving puts every setting under the same drift.  (Switching kvsan's patches in one
-process between steps, as an earlier lockstep runner did, costs each
-switched step about 5% by itself: CPython drops its caches for a class that
-was just modified.)  Measured: the thread
+process between steps would cost each switched step about 5% by itself:
+CPython drops its caches for a class that was just modified.)  Measured: the thread
 CPU time of
 ``finish_requests`` (cancellations) + ``schedule()`` + ``update_from_output()``;
 the synthetic driver is not timed.  The runs must schedule identically
