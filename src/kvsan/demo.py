@@ -12,9 +12,9 @@ import subprocess
 import sys
 import tempfile
 
-from .cli import summarize
 from .enginedrive import read_marked, write_marked
 from .reportfile import read_records
+from .summary import summarize
 
 
 def run_once(model: str, report_dir: str, seed: int, inject: str | None,
