@@ -104,11 +104,13 @@ def orphan_blocks(shadow, refs, linked) -> list[int]:
 
 
 def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
-             pid: int | None = None, role: str = "engine") -> dict[str, Any]:
+             pid: int | None = None, role: str = "engine",
+             engine: int = 0) -> dict[str, Any]:
     """Who holds the blocks of one pool.  Engine-agnostic: ``refs`` and
     ``linked`` are the engine's per-block reference counts and free-queue
     membership, ``sched_requests`` maps request id -> object with a
-    ``status`` (None: unknown)."""
+    ``status`` (None: unknown).  ``engine``: the data-parallel engine index
+    of the EngineCore that owns the pool (each engine has its own table)."""
     sh = checker.shadow
     now = time.monotonic()
     live: dict[str, int] = {}
@@ -161,6 +163,7 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
         "schema": SCHEMA,
         "pid": os.getpid() if pid is None else pid,
         "role": role,
+        "engine": engine,
         "step": step,
         "time": time.time(),
         "pool": stats,
@@ -179,12 +182,12 @@ def scheduler_snapshot(rt, scheduler) -> dict[str, Any]:
 
     ck = _scheduler_checker(rt, scheduler)
     if ck is None:
-        return {"schema": SCHEMA, "pid": os.getpid(), "role": rt.role, "step": rt.step,
-                "error": "kvsan tracks no block pool in this process"}
+        return {"schema": SCHEMA, "pid": os.getpid(), "role": rt.role, "engine": rt.engine,
+                "step": rt.step, "error": "kvsan tracks no block pool in this process"}
     blocks = scheduler.kv_cache_manager.block_pool.blocks
     refs = [b.ref_cnt for b in blocks]
     linked = [b.prev_free_block is not None for b in blocks]
-    return snapshot(ck, refs, linked, scheduler.requests, rt.step, rt.pid, rt.role)
+    return snapshot(ck, refs, linked, scheduler.requests, rt.step, rt.pid, rt.role, rt.engine)
 
 
 def _engine_core_kvsan_owners(self) -> dict[str, Any]:
@@ -201,7 +204,8 @@ def _engine_core_kvsan_owners(self) -> dict[str, Any]:
             rt.reporter.internal_error("owners", e)
         except Exception:  # noqa: BLE001
             pass
-        return {"schema": SCHEMA, "pid": os.getpid(), "error": f"{type(e).__name__}: {e}"}
+        return {"schema": SCHEMA, "pid": os.getpid(), "engine": rt.engine,
+                "error": f"{type(e).__name__}: {e}"}
 
 
 _ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
@@ -237,6 +241,26 @@ def from_llm(llm) -> list[dict[str, Any]]:
     return [client.call_utility(UTILITY)]
 
 
+async def from_client(core) -> list[dict[str, Any]]:
+    """One snapshot per engine from an asyncio engine-core client (what an
+    ``AsyncLLM`` / ``vllm serve`` front end holds as ``engine_core``).
+
+    With data parallelism the client manages several EngineCores and its
+    ``call_utility_async`` answers with the first engine's result only
+    (``DPLBAsyncMPClient``), so every engine is asked
+    (``call_utility_all_async``, in engine order).  Each answer says which
+    engine it is (``engine``); one without it (an older kvsan in that
+    engine) is labelled by its position."""
+    if hasattr(core, "call_utility_all_async"):
+        engines = list(await core.call_utility_all_async(UTILITY))
+    else:
+        engines = [await core.call_utility_async(UTILITY)]
+    for i, e in enumerate(engines):
+        if isinstance(e, dict):
+            e.setdefault("engine", i)
+    return engines
+
+
 # ------------------------------------------------ API server side (vLLM)
 class EndpointPlugin:
     """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``."""
@@ -256,10 +280,7 @@ class EndpointPlugin:
             if core is None:
                 return JSONResponse({"error": "no engine behind this server"}, status_code=503)
             try:
-                if hasattr(core, "call_utility_all_async"):
-                    engines = await core.call_utility_all_async(UTILITY)
-                else:
-                    engines = [await core.call_utility_async(UTILITY)]
+                engines = await from_client(core)
             except Exception as e:  # noqa: BLE001
                 return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
             return JSONResponse({"schema": SCHEMA, "engines": engines})
@@ -303,6 +324,7 @@ def render(doc: dict[str, Any], out=sys.stdout, limit: int | None = None) -> int
     engines = doc.get("engines", [doc])
     orphans = 0
     for i, e in enumerate(engines):
+        i = e.get("engine", i)  # the data-parallel engine index it reported
         if "error" in e:
             print(f"engine {i}: {e['error']}", file=out)
             continue
