@@ -11,7 +11,8 @@ kvsan is loaded by ``KVSAN=1`` (the parent sets the ``KVSAN_*`` variables,
 
 1. clean shared-prefix traffic, concurrent, routed by vLLM's load balancer
    over both engines, a few requests cancelled mid-stream;
-2. the owners snapshot of every engine (``kvsan.owners.from_client``);
+2. the owners snapshot of every engine (``kvsan.owners.from_client``) and
+   a scrape of each engine's and worker's exporter;
 3. one fault-marked request pinned to engine 1 (``data_parallel_rank=1``)
    and cancelled mid-stream: the injected fault leaks its blocks there;
 4. the owners snapshots again, then kvsan's real ``GET /kvsan/owners``
@@ -66,6 +67,13 @@ async def _stream(eng, rid, prompt, max_tokens, cancel_after=None, rank=None):
     return seen
 
 
+def _scrape(url: str) -> str:
+    from urllib.request import urlopen
+
+    with urlopen(url, timeout=30) as r:  # noqa: S310 - loopback
+        return r.read().decode()
+
+
 async def main(model: str, http_port: int) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -92,6 +100,15 @@ async def main(model: str, http_port: int) -> dict:
         out["clean_outputs"] = await asyncio.gather(*jobs)
         await asyncio.sleep(1.0)  # the engines go idle (kvsan audits at rest)
         out["owners_clean"] = await owners.from_client(eng.engine_core)
+        # each engine's and worker's own exporter, while they run
+        base = int(os.environ["KVSAN_METRICS_PORT"])
+        out["metrics"] = {}
+        for name, port in (("engine0", base + 1), ("engine1", base + 2),
+                           ("worker0", base + 100), ("worker1", base + 200)):
+            text = await asyncio.to_thread(_scrape, f"http://127.0.0.1:{port}/metrics")
+            out["metrics"][name] = [ln for ln in text.splitlines()
+                                    if ln.startswith("kvsan_scheduler_steps_total")
+                                    or ln.startswith("kvsan_violations_total")]
 
         # 3. the faulty request, on engine 1 only
         fault_prompt = [(i * 13) % 500 + 1 for i in range(70)]

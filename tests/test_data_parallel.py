@@ -104,6 +104,23 @@ def test_clean_traffic_over_both_engines_has_no_violation(dp_run):
     assert busy == {0, 1}
 
 
+def test_each_engine_exports_its_own_series(dp_run):
+    """Scraped while both engines ran: each exporter serves its own
+    process's series, labelled with its engine index, all counters at 0
+    violations after the clean traffic."""
+    _, _, got = dp_run
+    m = got["metrics"]
+    for e in (0, 1):
+        steps = [ln for ln in m[f"engine{e}"] if ln.startswith("kvsan_scheduler_steps_total")]
+        assert len(steps) == 1 and f'engine="{e}"' in steps[0] and 'role="engine"' in steps[0]
+        assert float(steps[0].rsplit(" ", 1)[1]) > 0  # this engine stepped
+        for proc in (f"engine{e}", f"worker{e}"):
+            labels = [ln for ln in m[proc] if "{" in ln]
+            assert labels and all(f'engine="{e}"' in ln for ln in labels), m[proc]
+            assert all(float(ln.rsplit(" ", 1)[1]) == 0 for ln in labels
+                       if ln.startswith("kvsan_violations_total")), m[proc]
+
+
 def test_a_fault_on_engine_1_is_reported_by_engine_1_only(dp_run):
     """The fault-marked request was pinned to engine 1 and cancelled; the
     injected ``leak_on_abort`` kept its blocks: one ``leaked_blocks``
