@@ -34,7 +34,10 @@ from ..shadow import ShadowTable
 
 UNATTRIBUTED = "<unattributed>"
 #: order in which a release without a known owner picks a non-request owner
-_NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:")
+_NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:", "xfer:")
+#: owner prefix of a request's blocks that its KV connector holds after the
+#: request finished (the connector delayed the free: an async save or send)
+XFER = "xfer:"
 
 
 class AllocatorChecker:
@@ -63,6 +66,9 @@ class AllocatorChecker:
         self._mismatched: set[int] = set()
         #: finished requests on a legal delayed-free path: rid -> step it finished
         self.pending_release: dict[str, int] = {}
+        #: finished requests whose blocks their KV connector holds
+        #: (``xfer:<rid>``): rid -> number of references
+        self.connector_held: dict[str, int] = {}
         #: (kind, block, owner) already reported by a full audit
         self._audit_seen: set[tuple] = set()
         #: movements seen: allocated, shared, released, evicted, preempted
@@ -242,7 +248,17 @@ class AllocatorChecker:
             in_call.add(b)
             releaser = actor if actor is not None else self.resolve_releaser(b, None)
             if not sh.remove_owner(b, releaser):
-                if repeated or (sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED):
+                if not releaser.startswith(XFER) and sh.is_owner(b, XFER + releaser):
+                    # the request's connector transfer still holds the block
+                    sh.remove_owner(b, XFER + releaser)
+                    self._report(
+                        kinds.FREE_WITH_LIVE_OWNERS,
+                        f"{releaser} released block {b} while its KV connector transfer "
+                        f"({XFER}{releaser}) still reads or writes it: its free was delayed "
+                        "until the connector reports the request finished",
+                        [b], [XFER + releaser], releaser, site,
+                    )
+                elif repeated or (sh.rel_owner[b] == releaser and releaser != UNATTRIBUTED):
                     self._report(
                         kinds.DOUBLE_RELEASE,
                         f"{releaser} released block {b} twice (first at step {sh.rel_step[b]} "
@@ -367,6 +383,8 @@ class AllocatorChecker:
         if self.pending_release:
             self.pending_release.pop(rid, None)
             self.pending_reasons.pop(rid, None)
+        if self.connector_held and final:  # (what the connector kept is the request's)
+            self.on_connector_done(rid, site)
         if final:
             self._note_end(rid, reason)
         if not final:
@@ -406,6 +424,24 @@ class AllocatorChecker:
         self.pending_release.setdefault(rid, self.step())
         if reason is not None:
             self.pending_reasons[rid] = reason
+
+    def on_connector_hold(self, rid: str, blocks: Sequence[int], site: str) -> None:
+        """``rid`` finished and its KV connector delayed the free of
+        ``blocks`` (its references): they pass to ``xfer:<rid>`` until the
+        connector reports the transfer finished (:meth:`on_connector_done`).
+        The request releasing one of them before then frees it under the
+        connector's read or write (``free_with_live_owners``)."""
+        self.on_transfer(blocks, rid, XFER + rid, site)
+        self.connector_held[rid] = len(blocks)
+
+    def on_connector_done(self, rid: str, site: str) -> None:
+        """The connector reported ``rid``'s transfer finished: what it still
+        holds is the request's again, for the scheduler's late free."""
+        if self.connector_held.pop(rid, None) is None:
+            return
+        dst = XFER + rid
+        if self.shadow.held_count(dst):
+            self.on_transfer(self.shadow.blocks_of(dst), dst, rid, site)
 
     def drain_pending(self, still_tracked, site: str) -> None:
         """The delayed frees the engine has completed since: each request of

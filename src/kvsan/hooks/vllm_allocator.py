@@ -780,6 +780,52 @@ def _request_ended(sched, request) -> None:
         rt.overhead_s += _perf_counter() - t0
 
 
+def _connector_finished(wrapped, instance, args, kwargs):
+    """``Scheduler._connector_finished`` (a scheduler with a KV connector):
+    where the connector delays the free of the finished request's blocks (an
+    async save or send still reads them), they pass to ``xfer:<rid>`` until
+    the connector reports the request finished
+    (:func:`_update_from_kv_xfer_finished`): a free of them before then is
+    reported at the freeing call."""
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    if rt is None or not (isinstance(ret, tuple) and ret and ret[0]):
+        return ret
+    _guard(rt, "_connector_finished", _connector_holds, rt, instance,
+           args[0] if args else kwargs["request"])
+    return ret
+
+
+def _connector_holds(rt, sched, request) -> None:
+    ck = _scheduler_checker(rt, sched)
+    if ck is None:
+        return
+    rid = request.request_id
+    pool = sched.kv_cache_manager.block_pool
+    ids = []
+    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
+        for b in manager.req_to_blocks.get(rid, ()):
+            if not b.is_null and (b.pool is None or b.pool is pool):
+                ids.append(b.block_id)
+    ck.on_connector_hold(rid, ids, "scheduler.py:_connector_finished (delayed free)")
+
+
+def _update_from_kv_xfer_finished(wrapped, instance, args, kwargs):
+    """``Scheduler._update_from_kv_xfer_finished``: the requests the
+    connector finished sending or receiving give their blocks back to the
+    request before the scheduler frees them (the legal late free)."""
+    rt = _rt._runtime
+    ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None and ck.connector_held:
+        out = args[0] if args else kwargs["kv_connector_output"]
+        for rid in (*(getattr(out, "finished_sending", None) or ()),
+                    *(getattr(out, "finished_recving", None) or ())):
+            if rid in ck.connector_held:
+                _guard(rt, "_update_from_kv_xfer_finished", ck.on_connector_done, rid,
+                       "scheduler.py:_update_from_kv_xfer_finished")
+    return wrapped(*args, **kwargs)
+
+
 def _may_delay_free(sched) -> bool:
     """Whether ``sched`` may keep a finished request's blocks after its
     release path ran.  vLLM 0.32 delays a free only for a KV or EC connector
@@ -1044,6 +1090,9 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
                fast=("UPDATE", _update_ends)),
         Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
+        Target(_SCHED, "Scheduler._connector_finished", _connector_finished),
+        Target(_SCHED, "Scheduler._update_from_kv_xfer_finished",
+               _update_from_kv_xfer_finished),
         Target(_SCHED, "Scheduler._preempt_request", _preempt_request,
                fast=("PREEMPT", _preempted)),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests,
