@@ -159,3 +159,74 @@ def test_kvsan_owners_shows_every_engine(dp_run):
     tail = txt["stdout"].split(e1, 1)[1]
     assert "aborted!" in tail and "orphans (no live owner, not free)" in tail
     assert "aborted!" not in txt["stdout"].split(e1, 1)[0]
+
+
+def test_vllm_serve_data_parallel_api_servers_get_their_own_ports(tmp_path):
+    """``vllm serve --data-parallel-size 2`` starts one API server per engine
+    by default (``ApiServer_0``, ``ApiServer_1``, beside the launching
+    process): each front end's exporter on its own port (base, base+50,
+    base+51) -- they all took the base port, and two counted a kvsan
+    internal error -- and ``GET /kvsan/owners`` on the server answers for
+    both engines."""
+    import signal
+
+    from test_serve import VLLM_CLI, free_port, http_get, wait_until
+
+    from kvsan.tinymodel import ensure_tiny_model
+
+    report = str(tmp_path / "report") + os.sep
+    base = free_port_block((0, 1, 2, 50, 51, 100, 200))
+    port = free_port()
+    env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=report,
+               KVSAN_METRICS_PORT=str(base), VLLM_PLUGINS="kvsan",
+               VLLM_CPU_OMP_THREADS_BIND="0|1")
+    for var in ("KVSAN_INJECT", "KVSAN_INJECT_ONLY", "PROMETHEUS_MULTIPROC_DIR"):
+        env.pop(var, None)
+    cmd = [sys.executable, "-c", VLLM_CLI, "serve", ensure_tiny_model(), "--host", "127.0.0.1",
+           "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
+           "--block-size", "32", "--enable-prefix-caching", "--num-gpu-blocks-override", "24",
+           "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
+           "--gpu-memory-utilization", "0.3", "--enforce-eager", "--data-parallel-size", "2",
+           "--disable-uvicorn-access-log"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True, cwd=str(tmp_path))
+    try:
+        def up():
+            assert proc.poll() is None, log.read_text()[-4000:]
+            try:
+                return http_get(f"http://127.0.0.1:{port}/health", timeout=5) is not None
+            except OSError:
+                return False
+        wait_until(up, 400, "vllm serve --data-parallel-size 2 to come up", every=1.0)
+        doc = json.loads(http_get(f"http://127.0.0.1:{port}/kvsan/owners"))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+    assert [(e["engine"], e["pool"]["num_blocks"]) for e in doc["engines"]] == [(0, 24), (1, 24)]
+    inst = events(report, "kvsan.installed")
+    assert sorted((r["role"], r["engine"]) for r in inst) == [
+        ("engine", 0), ("engine", 1), ("frontend", 0), ("frontend", 0), ("frontend", 0),
+        ("worker", 0), ("worker", 1)]
+    ports = sorted(r["port"] for r in events(report, "kvsan.metrics"))
+    assert ports == [base, base + 1, base + 2, base + 50, base + 51, base + 100, base + 200]
+    assert events(report, "kvsan.internal_error") == []
+    assert violations(report) == []
+
+
+def test_api_server_ports():
+    assert [exporter.api_server_index(n) for n in ("ApiServer_0", "ApiServer_3",
+                                                   "MainProcess", "EngineCore_DP1")] == [
+        0, 3, None, None]
+    assert [exporter.port_for(9400, "frontend", api_server=n) for n in (None, 0, 1)] == [
+        9400, 9450, 9451]

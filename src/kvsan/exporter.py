@@ -9,7 +9,9 @@ Two ways, chosen per process at install time:
   own endpoint.  Gauges declare ``multiprocess_mode="livesum"``; kvsan
   removes its process's live-gauge files when the process ends.
 * ``KVSAN_METRICS_PORT=<base>``: each process also serves its own registry
-  on ``base + offset``: front end ``+0``, EngineCore ``+1+engine``,
+  on ``base + offset``: front end ``+0`` (API server N of several,
+  ``ApiServer_N`` under ``vllm serve --data-parallel-size``/``--api-server-count``:
+  ``+50+N``), EngineCore ``+1+engine``,
   worker ``+100*(1+engine)+rank`` (``engine``: the data-parallel engine
   index; several engines on one node each have a rank-0 worker, so a
   worker's port depends on both).  ``KVSAN_METRICS_ADDR`` (default ``0.0.0.0``) is
@@ -30,6 +32,9 @@ import sys
 
 ENGINE_OFFSET = 1
 WORKER_OFFSET = 100
+#: API server N of several (``vllm serve`` starts one per data-parallel
+#: engine by default): base + 50 + N, clear of the EngineCores' base + 1 + engine
+API_SERVER_OFFSET = 50
 
 _started: dict[int, int] = {}  # pid -> port
 _dead_marked: set[int] = set()
@@ -46,9 +51,25 @@ def process_rank(name: str | None = None) -> int:
     return int(m.group(1)) if m else 0
 
 
-def port_for(base: int, role: str, rank: int = 0, engine: int = 0) -> int:
+def api_server_index(name: str | None = None) -> int | None:
+    """N of an API server process ``ApiServer_N`` (vLLM starts several when
+    ``api_server_count`` > 1, the default with data parallelism; the
+    process that launched them stays ``MainProcess``); None otherwise."""
+    if name is None:
+        import multiprocessing
+
+        name = multiprocessing.current_process().name
+    m = re.fullmatch(r"ApiServer_(\d+)", name or "")
+    return int(m.group(1)) if m else None
+
+
+def port_for(base: int, role: str, rank: int = 0, engine: int = 0,
+             api_server: int | None = None) -> int:
     """The exporter port of a process: ``rank`` is an EngineCore's engine
-    index or a worker's rank in its engine (``engine``)."""
+    index or a worker's rank in its engine (``engine``); ``api_server``:
+    a front end's API server index when there are several."""
+    if role == "frontend" and api_server is not None:
+        return base + API_SERVER_OFFSET + api_server
     if role == "engine":
         return base + ENGINE_OFFSET + rank
     if role == "worker":
@@ -184,7 +205,8 @@ def start(rt) -> int | None:
         return _started[pid]
     # (the runtime's identity: the same process names :func:`process_rank`
     # reads, the EngineCore's DP index and the worker's rank)
-    port = port_for(base, rt.role, rt.engine if rt.role == "engine" else rt.rank, rt.engine)
+    port = port_for(base, rt.role, rt.engine if rt.role == "engine" else rt.rank, rt.engine,
+                    api_server_index() if rt.role == "frontend" else None)
     addr = os.environ.get("KVSAN_METRICS_ADDR", "").strip() or "0.0.0.0"
     try:
         from prometheus_client import REGISTRY, start_http_server
