@@ -134,3 +134,25 @@ def test_free_while_connector_sends_is_reported_at_the_faulty_call(engine, rt):
     assert all(v.site.startswith("single_type_kv_cache_manager.py:free") for v in found)
     # nothing else: the legal delayed frees of the other requests are clean
     assert {v.kind for v in rt.violations()} == {"free_with_live_owners"}
+
+
+def test_a_connector_that_never_reports_leaks_the_request_blocks():
+    """Unit level (no engine): the blocks a connector holds for a finished
+    request and never reports finished are the request's leak once its
+    grace period ran out; the ones it reports are freed cleanly."""
+    from kvsan.checks import AllocatorChecker
+
+    out, steps = [], [0]
+    ck = AllocatorChecker(8, emit=out.append, step=lambda: steps[0], null_blocks=(0,))
+    ck.on_allocate([(1, 1), (2, 1)], "A", "s")
+    ck.on_allocate([(3, 1)], "B", "s")
+    for rid, blocks in (("A", [1, 2]), ("B", [3])):
+        ck.on_connector_hold(rid, blocks, "s")
+        ck.on_request_pending_release(rid, "finished")
+    ck.on_connector_done("B", "s")  # B's send finished: the scheduler frees it
+    ck.on_release([(3, 1, False, 0, True)], "B", "s")
+    ck.drain_pending({"A"}, "s")
+    assert out == [] and list(ck.connector_held) == ["A"]
+    steps[0] = 20
+    ck.sweep(grace_steps=10)
+    assert [(v.kind, v.blocks, v.owners) for v in out] == [("leaked_blocks", [1, 2], ["A"])]

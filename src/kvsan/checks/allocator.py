@@ -34,7 +34,7 @@ from ..shadow import ShadowTable
 
 UNATTRIBUTED = "<unattributed>"
 #: order in which a release without a known owner picks a non-request owner
-_NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:", "xfer:")
+_NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:")
 #: owner prefix of a request's blocks that its KV connector holds after the
 #: request finished (the connector delayed the free: an async save or send)
 XFER = "xfer:"
@@ -442,6 +442,7 @@ class AllocatorChecker:
         dst = XFER + rid
         if self.shadow.held_count(dst):
             self.on_transfer(self.shadow.blocks_of(dst), dst, rid, site)
+        self.shadow.nonrequest.discard(dst)  # (one per request: not kept)
 
     def drain_pending(self, still_tracked, site: str) -> None:
         """The delayed frees the engine has completed since: each request of
