@@ -236,6 +236,9 @@ def _freeze():
 
 
 def bench(sizes=SIZES, ks=(16, 256, 4096)) -> dict:
+    from kvsan import hooks
+
+    hooks.use_native(True)  # the C paths where built, as the engine's hooks run them
     res = {"memory": {}, "audit": {}, "step": {}, "worker": {}}
     for n in sizes:
         res["memory"][n] = memory(n)

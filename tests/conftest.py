@@ -7,6 +7,17 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def native_paths():
+    """kvsan's C paths in use (where built) from the start of the session,
+    as in an engine with ``KVSAN=1``: importing kvsan switches nothing on,
+    and the checks made in tests without installing kvsan would otherwise
+    run only the Python paths, or not, depending on the order of tests."""
+    from kvsan import hooks
+
+    hooks.use_native(True)
+
+
 @pytest.fixture(scope="session")
 def kvsan_rt():
     """kvsan installed in this process (log mode), as the plugin would."""

@@ -416,11 +416,12 @@ def test_native_guard_rejects_bad_input():
     assert fill.sum() == 0  # nothing counted by a refused call
 
 
-def test_native_module_is_in_use_by_default():
+def test_native_module_is_in_use_by_default(rt):
     import sys
 
     if sys.version_info[:2] != (3, 11):
         pytest.skip("kvsan's C speed-ups are built for CPython 3.11")
+    assert rt.config.native  # (the default: installing kvsan switched it on)
     assert native.DEVICEFAST is not None
     assert DeviceChecker(NB, BS, emit=lambda v: None)._fast is native.DEVICEFAST
 

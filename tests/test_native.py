@@ -457,3 +457,38 @@ def test_call_sites_keep_their_ids_through_the_site_cache(rt):
     ctx.pop()
     assert len(set(sh.sites)) == len(sh.sites) and set(sites) <= set(sh.sites)
     assert not rt.violations()
+
+
+_SWITCHES = r"""
+import json, sys
+import kvsan.hooks, kvsan.checks.identity, kvsan.checks.native, kvsan.checks.device
+from kvsan import hooks
+from kvsan.checks import identity, native
+
+def state():
+    return [hooks.NATIVE is not None, hooks.SHADOWFAST is not None, hooks.HOOKFAST is not None,
+            identity._links is not None, native.DEVICEFAST is not None]
+
+imported = state()
+from kvsan import plugin
+from kvsan.config import Config
+
+plugin.install(Config(enabled=True, log_events=False, native=sys.argv[1] == "1"), role="engine")
+print(json.dumps({"imported": imported, "installed": state()}))
+"""
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_importing_switches_nothing_on_installing_does(on):
+    """No import-time side effect: importing kvsan's hooks and checks
+    leaves every native path off; installing kvsan switches them all on
+    (``KVSAN_NATIVE``, on by default), or leaves them off with it off."""
+    import json
+    import subprocess
+
+    got = subprocess.run([sys.executable, "-c", _SWITCHES, "1" if on else "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr
+    state = json.loads(got.stdout.strip().splitlines()[-1])
+    assert state["imported"] == [False] * 5
+    assert state["installed"] == [on and PY311] * 5

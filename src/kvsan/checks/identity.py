@@ -326,5 +326,3 @@ class IdentityAudit:
                       "producer": {f: d.hex()[:16] for f, d in zip(FIELDS, theirs)},
                       "consumer": {f: d.hex()[:16] for f, d in zip(FIELDS, ours)}}]))
 
-
-use_native(True)

@@ -11,7 +11,9 @@ import importlib
 
 #: ``kvsan._devicefast`` (the device checker's write guard and checksums
 #: over host memory in C, same results) when in use, else None.  Read when a
-#: :class:`kvsan.checks.device.DeviceChecker` is made.
+#: :class:`kvsan.checks.device.DeviceChecker` is made.  None until
+#: :func:`use_devicefast` (:func:`kvsan.hooks.use_native`, which
+#: ``kvsan.plugin.install`` calls) switches it on: importing switches nothing.
 DEVICEFAST = None
 #: the version of ``kvsan._devicefast``'s interface this code calls (its ``ABI``)
 DEVICEFAST_ABI = 6
@@ -35,6 +37,3 @@ def use_devicefast(on: bool = True) -> bool:
     global DEVICEFAST
     DEVICEFAST = load("_devicefast", DEVICEFAST_ABI) if on else None
     return DEVICEFAST is not None
-
-
-use_devicefast(True)

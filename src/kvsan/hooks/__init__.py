@@ -263,7 +263,12 @@ def use_native(on: bool = True) -> bool:
     audit's token chain and ``kvsan._devicefast`` for the device checks
     on host memory.  ``on`` False (``KVSAN_NATIVE=0``), or where they are
     unavailable, the pure-Python (numpy / torch) paths run; both give the
-    same results.  Returns whether all are in use."""
+    same results.  Returns whether all are in use.
+
+    Importing kvsan switches nothing on: :func:`kvsan.plugin.install` calls
+    this (``KVSAN_NATIVE``, on by default), and so does code that makes
+    checkers without installing kvsan and wants the C paths (tests,
+    benchmarks)."""
     global NATIVE, SHADOWFAST, HOOKFAST, _HOOK_TYPE
     from ..checks import identity, native
 
@@ -273,6 +278,9 @@ def use_native(on: bool = True) -> bool:
         HOOKFAST.enable(False)
         HOOKFAST = None
     checks = identity.use_native(on) & native.use_devicefast(on)  # both, always
+    adapter = sys.modules.get("kvsan.hooks.vllm_identity")
+    if adapter is not None:  # (imported before: its chains' reaper follows the switch)
+        adapter._refresh_make()
     if not on:
         return False
     frames = native.load("_frames", 1)
@@ -390,6 +398,3 @@ def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
     vals = dict(zip(names, args))
     vals.update({k: kwargs[k] for k in names if k in kwargs})
     return vals
-
-
-use_native(True)
