@@ -5,7 +5,8 @@ shadow table, vLLM's block pool and the scheduler's request states are read
 at one consistent moment:
 
 * kvsan's general plugin adds a utility method ``EngineCore.kvsan_owners``
-  in the EngineCore process.  vLLM's EngineCore runs utility calls from its
+  in the EngineCore process (:mod:`kvsan.hooks.vllm_owners`, which reads
+  vLLM's scheduler for the engine-agnostic :func:`snapshot` here).  vLLM's EngineCore runs utility calls from its
   own busy loop, in its main thread, between steps.
 * kvsan's endpoint plugin (entry point group ``vllm.endpoint_plugins``,
   loaded only when the operator allowlists it: ``VLLM_PLUGINS=kvsan``, as
@@ -175,61 +176,10 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
     }
 
 
-# --------------------------------------------------- EngineCore side (vLLM)
-def scheduler_snapshot(rt, scheduler) -> dict[str, Any]:
-    """The snapshot of a vLLM scheduler's device pool."""
-    from .hooks.vllm_allocator import _scheduler_checker
-
-    ck = _scheduler_checker(rt, scheduler)
-    if ck is None:
-        return {"schema": SCHEMA, "pid": os.getpid(), "role": rt.role, "engine": rt.engine,
-                "step": rt.step, "error": "kvsan tracks no block pool in this process"}
-    blocks = scheduler.kv_cache_manager.block_pool.blocks
-    refs = [b.ref_cnt for b in blocks]
-    linked = [b.prev_free_block is not None for b in blocks]
-    return snapshot(ck, refs, linked, scheduler.requests, rt.step, rt.pid, rt.role, rt.engine)
-
-
-def _engine_core_kvsan_owners(self) -> dict[str, Any]:
-    """``EngineCore.kvsan_owners``: a utility method (runs between steps)."""
-    from . import runtime as _rt
-
-    rt = _rt.get()
-    if rt is None:
-        return {"schema": SCHEMA, "pid": os.getpid(), "error": "kvsan is off in this engine"}
-    try:
-        return scheduler_snapshot(rt, self.scheduler)
-    except Exception as e:  # noqa: BLE001 - a query must never hurt the engine
-        try:
-            rt.reporter.internal_error("owners", e)
-        except Exception:  # noqa: BLE001
-            pass
-        return {"schema": SCHEMA, "pid": os.getpid(), "engine": rt.engine,
-                "error": f"{type(e).__name__}: {e}"}
-
-
-_ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
+# ------------------------------------------------- front-end side (vLLM)
+#: the EngineCore utility method that takes the snapshot between two steps
+#: (added by :mod:`kvsan.hooks.vllm_owners`)
 UTILITY = "kvsan_owners"
-
-
-def install_engine_method() -> bool:
-    """Add ``EngineCore.kvsan_owners`` (idempotent).  False if not found."""
-    import importlib
-
-    try:
-        cls = getattr(importlib.import_module(_ENGINE_CORE[0]), _ENGINE_CORE[1])
-    except (ImportError, AttributeError):
-        return False
-    if UTILITY not in cls.__dict__:
-        setattr(cls, UTILITY, _engine_core_kvsan_owners)
-    return True
-
-
-def uninstall_engine_method() -> None:
-    mod = sys.modules.get(_ENGINE_CORE[0])
-    cls = getattr(mod, _ENGINE_CORE[1], None) if mod is not None else None
-    if cls is not None and cls.__dict__.get(UTILITY) is _engine_core_kvsan_owners:
-        delattr(cls, UTILITY)
 
 
 def from_llm(llm) -> list[dict[str, Any]]:
@@ -237,7 +187,9 @@ def from_llm(llm) -> list[dict[str, Any]]:
     client = llm.llm_engine.engine_core
     core = getattr(client, "engine_core", None)
     if core is not None and hasattr(core, "scheduler"):  # InprocClient
-        return [_engine_core_kvsan_owners(core)]
+        method = getattr(core, UTILITY, None)  # (added where kvsan is installed)
+        return [method() if method is not None else
+                {"schema": SCHEMA, "pid": os.getpid(), "error": "kvsan is off in this engine"}]
     return [client.call_utility(UTILITY)]
 
 

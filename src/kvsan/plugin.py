@@ -212,16 +212,16 @@ def _install_owners_utility() -> None:
     process imports the EngineCore."""
     import wrapt
 
-    from . import owners
+    from .hooks import vllm_owners
 
-    wrapt.register_post_import_hook(lambda _m: owners.install_engine_method(),
-                                    owners._ENGINE_CORE[0])
+    wrapt.register_post_import_hook(lambda _m: vllm_owners.install_engine_method(),
+                                    vllm_owners._ENGINE_CORE[0])
 
 
 def uninstall() -> None:
     """Remove every patch and forget this process's state."""
-    from . import hooks, owners
-    from .hooks import vllm_quarantine
+    from . import hooks
+    from .hooks import vllm_owners, vllm_quarantine
 
     vllm_quarantine.uninstall()
     from .hooks import vllm_identity, vllm_weights
@@ -232,7 +232,7 @@ def uninstall() -> None:
     if worker is not None:
         worker.forget_runner()
     hooks.uninstrument()
-    owners.uninstall_engine_method()
+    vllm_owners.uninstall_engine_method()
     rt = _rt.get()
     if rt is not None:
         rt.reporter.close()

@@ -1,0 +1,70 @@
+"""vLLM adapter, ``kvsan owners`` (EngineCore process): the utility method
+``EngineCore.kvsan_owners`` that takes the owners snapshot of the
+scheduler's pool between two steps.
+
+The snapshot itself is engine-agnostic (:func:`kvsan.owners.snapshot`);
+this module only reads vLLM's scheduler and block pool for it.  The front
+end's side (the utility call, ``GET /kvsan/owners``) is in
+:mod:`kvsan.owners`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from .. import runtime as _rt
+from ..owners import SCHEMA, UTILITY, snapshot
+from .vllm_allocator import _scheduler_checker
+
+
+def scheduler_snapshot(rt, scheduler) -> dict[str, Any]:
+    """The snapshot of a vLLM scheduler's device pool."""
+    ck = _scheduler_checker(rt, scheduler)
+    if ck is None:
+        return {"schema": SCHEMA, "pid": os.getpid(), "role": rt.role, "engine": rt.engine,
+                "step": rt.step, "error": "kvsan tracks no block pool in this process"}
+    blocks = scheduler.kv_cache_manager.block_pool.blocks
+    refs = [b.ref_cnt for b in blocks]
+    linked = [b.prev_free_block is not None for b in blocks]
+    return snapshot(ck, refs, linked, scheduler.requests, rt.step, rt.pid, rt.role, rt.engine)
+
+
+def _engine_core_kvsan_owners(self) -> dict[str, Any]:
+    """``EngineCore.kvsan_owners``: a utility method (runs between steps)."""
+    rt = _rt.get()
+    if rt is None:
+        return {"schema": SCHEMA, "pid": os.getpid(), "error": "kvsan is off in this engine"}
+    try:
+        return scheduler_snapshot(rt, self.scheduler)
+    except Exception as e:  # noqa: BLE001 - a query must never hurt the engine
+        try:
+            rt.reporter.internal_error("owners", e)
+        except Exception:  # noqa: BLE001
+            pass
+        return {"schema": SCHEMA, "pid": os.getpid(), "engine": rt.engine,
+                "error": f"{type(e).__name__}: {e}"}
+
+
+_ENGINE_CORE = ("vllm.v1.engine.core", "EngineCore")
+
+
+def install_engine_method() -> bool:
+    """Add ``EngineCore.kvsan_owners`` (idempotent).  False if not found."""
+    import importlib
+
+    try:
+        cls = getattr(importlib.import_module(_ENGINE_CORE[0]), _ENGINE_CORE[1])
+    except (ImportError, AttributeError):
+        return False
+    if UTILITY not in cls.__dict__:
+        setattr(cls, UTILITY, _engine_core_kvsan_owners)
+    return True
+
+
+def uninstall_engine_method() -> None:
+    mod = sys.modules.get(_ENGINE_CORE[0])
+    cls = getattr(mod, _ENGINE_CORE[1], None) if mod is not None else None
+    if cls is not None and cls.__dict__.get(UTILITY) is _engine_core_kvsan_owners:
+        delattr(cls, UTILITY)
