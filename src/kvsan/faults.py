@@ -160,7 +160,7 @@ def _request_id(args, kwargs) -> str | None:
     rid = getattr(req, "request_id", None)
     if rid is None:  # a pool primitive: the request kvsan's hooks attribute it to
         from . import runtime as _rt
-        from .hooks.vllm_allocator import owner_here
+        from .hooks import owner_here
 
         rt = _rt.get()
         rid = owner_here(rt) if rt is not None else None

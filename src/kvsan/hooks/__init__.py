@@ -27,6 +27,7 @@ import importlib
 import sys
 import weakref
 from dataclasses import dataclass
+from time import perf_counter as _perf_counter
 from typing import Callable
 
 import wrapt
@@ -328,6 +329,32 @@ def guard_failed(rt, where: str, exc: BaseException) -> None:
     if isinstance(exc, KVSanViolation):
         raise exc
     rt.reporter.internal_error(where, exc)
+
+
+def guard(rt, where: str, fn, *args, device: bool = False):
+    """Run a check and return its result (None if it failed); kvsan's own
+    exceptions are counted, violations raised only in raise/abort modes (the
+    reporter decides).  The time spent is added to ``rt.overhead_s``
+    (``kvsan_overhead_seconds_total``), and with ``device`` (the worker
+    side's checks) to ``rt.device_s`` too, so the two sides' costs can be
+    told apart in one run.  (Every adapter's hooks use it.)"""
+    t0 = _perf_counter()
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - report first, never mask
+        guard_failed(rt, where, e)  # a violation (raise / abort modes) propagates
+        return None
+    finally:
+        dt = _perf_counter() - t0
+        rt.overhead_s += dt
+        if device:
+            rt.device_s += dt
+
+
+def owner_here(rt) -> str | None:
+    """The request a pool call made from the caller's stack acts for."""
+    ctx = rt.owner_ctx
+    return ctx[-1][0] if ctx else owner_from_frames(sys._getframe(1))
 
 
 def call_context(depth: int, owner_ctx: list) -> tuple[str, str | None] | None:

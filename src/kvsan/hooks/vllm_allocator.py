@@ -14,7 +14,6 @@ value, and in ``log`` mode never let a kvsan failure reach the engine.
 from __future__ import annotations
 
 import enum
-import sys
 import weakref
 from array import array
 from time import monotonic as _monotonic
@@ -24,7 +23,8 @@ from .. import hooks as _hooks
 from .. import runtime as _rt
 from ..checks import AllocatorChecker
 from ..journal import StepJournal
-from . import Target, bind_args, call_context, call_site, guard_failed, owner_from_frames
+from . import Target, bind_args, call_context, call_site, guard_failed
+from . import guard as _guard
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
@@ -48,32 +48,6 @@ def _context(rt) -> tuple[str, str | None]:
     :data:`kvsan.hooks.OWNER_FRAMES`), else None."""
     got = call_context(2, rt.owner_ctx)
     return got if got is not None else ("?", rt.current_owner())
-
-
-def owner_here(rt) -> str | None:
-    """The request a pool call made from the caller's stack acts for."""
-    ctx = rt.owner_ctx
-    return ctx[-1][0] if ctx else owner_from_frames(sys._getframe(1))
-
-
-def _guard(rt, where: str, fn, *args, device: bool = False):
-    """Run a check and return its result (None if it failed); kvsan's own
-    exceptions are counted, violations raised only in raise/abort modes (the
-    reporter decides).  The time spent is added to ``rt.overhead_s``
-    (``kvsan_overhead_seconds_total``), and with ``device`` (the worker
-    side's checks) to ``rt.device_s`` too, so the two sides' costs can be
-    told apart in one run."""
-    t0 = _perf_counter()
-    try:
-        return fn(*args)
-    except Exception as e:  # noqa: BLE001 - report first, never mask
-        guard_failed(rt, where, e)  # a violation (raise / abort modes) propagates
-        return None
-    finally:
-        dt = _perf_counter() - t0
-        rt.overhead_s += dt
-        if device:
-            rt.device_s += dt
 
 
 #: the checker of a pool: (runtime or None, checker or None)

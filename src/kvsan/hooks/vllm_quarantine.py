@@ -25,7 +25,7 @@ import weakref
 import wrapt
 
 from .. import runtime as _rt
-from .vllm_allocator import _guard
+from . import guard as _guard
 
 OWNER = "pin:kvsan-quarantine"
 _held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {block: release step}

@@ -34,7 +34,7 @@ from .. import runtime as _rt
 from ..checks import native
 from ..checks.device import DeviceChecker
 from . import Target, guard_failed, vllm_inputs
-from .vllm_allocator import _guard
+from . import guard as _guard
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
