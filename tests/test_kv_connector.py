@@ -86,7 +86,7 @@ def test_connector_saves_loads_and_delays_frees_with_zero_violations(engine, rt)
     assert all(o.num_cached_tokens == len(head) for o in outs), \
         [o.num_cached_tokens for o in outs]
     ck = rt.checkers[sched.kv_cache_manager.block_pool]
-    assert ck.connector_held == {} and ck.pending_release == {}
+    assert ck.connector_held == set() and ck.pending_release == {}
     assert rt.violations() == [], [(v.kind, v.blocks, v.owners, v.site) for v in rt.violations()]
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 63  # nothing leaked
 

@@ -219,5 +219,5 @@ def start(rt) -> int | None:
             pass
         return None
     _started[pid] = port
-    rt.reporter.event("kvsan.metrics", pid=pid, role=rt.role, port=port, addr=addr)
+    rt.reporter.event("kvsan.metrics", port=port, addr=addr)
     return port

@@ -100,7 +100,7 @@ def _scribble_sealed(wrapped, instance, args, kwargs):
                 rt = _rt.get()
                 if rt is not None:
                     rt.reporter.event("kvsan.fault_applied", fault="scribble_sealed",
-                                      block=blocks[i], request=rid, pid=rt.pid)
+                                      block=blocks[i], request=rid)
                 break
     return wrapped(*args, **kwargs)
 

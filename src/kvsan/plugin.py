@@ -87,8 +87,6 @@ def install(cfg: _config.Config, role: str | None = None,
         raise HookError("kvsan: KVSAN_STRICT=1 refuses to start: " + "; ".join(problems))
     rt.reporter.event(
         "kvsan.installed",
-        pid=os.getpid(),
-        role=rt.role,
         mode=cfg.mode,
         native=rt.native,
         vllm=version,
@@ -148,7 +146,7 @@ def _start_process(rt: _rt.Runtime, forked: bool = False) -> None:
         if forked:
             faults._scribbled.clear()  # (once per process: this one)
         faults.inject(fault)  # (inherited from the parent: kept)
-        rt.reporter.event("kvsan.fault_injected", fault=fault, pid=os.getpid(), role=rt.role)
+        rt.reporter.event("kvsan.fault_injected", fault=fault)
 
 
 def _drop_inherited_fault() -> None:

@@ -179,9 +179,10 @@ class Reporter:
 
     # -- other records ------------------------------------------------------
     def event(self, name: str, **fields: Any) -> None:
-        """A non-violation record (``kvsan.installed``, audits, ...), with
-        this process's ``role``, ``engine`` and ``rank``."""
-        fields = {"role": self.role, "engine": self.engine, "rank": self.rank, **fields}
+        """A non-violation record (``kvsan.installed``, audits, ...), stamped
+        with this process's ``pid``, ``role``, ``engine`` and ``rank``."""
+        fields = {"pid": os.getpid(), "role": self.role, "engine": self.engine,
+                  "rank": self.rank, **fields}
         if self._log is not None:
             self._log.info(name, **fields)
         if self._sink is not None:

@@ -248,7 +248,7 @@ def _child_moments() -> None:
             ed.emit({"error": "kvsan is not loaded in the engine process (is it installed "
                               "as a vllm.general_plugins entry point?)"})
             return
-        rt.reporter.event("kvsan.repro.moment", moment=moment, pid=os.getpid())
+        rt.reporter.event("kvsan.repro.moment", moment=moment)
         rt.clear()
         res = run_moment(llm, moment, spec["prompts"], geo)
         print(MOMENT_MARK + json.dumps(res, default=str), flush=True)

@@ -67,8 +67,8 @@ class AllocatorChecker:
         #: finished requests on a legal delayed-free path: rid -> step it finished
         self.pending_release: dict[str, int] = {}
         #: finished requests whose blocks their KV connector holds
-        #: (``xfer:<rid>``): rid -> number of references
-        self.connector_held: dict[str, int] = {}
+        #: (``xfer:<rid>``; the shadow table has the blocks)
+        self.connector_held: set[str] = set()
         #: (kind, block, owner) already reported by a full audit
         self._audit_seen: set[tuple] = set()
         #: movements seen: allocated, shared, released, evicted, preempted
@@ -432,13 +432,14 @@ class AllocatorChecker:
         The request releasing one of them before then frees it under the
         connector's read or write (``free_with_live_owners``)."""
         self.on_transfer(blocks, rid, XFER + rid, site)
-        self.connector_held[rid] = len(blocks)
+        self.connector_held.add(rid)
 
     def on_connector_done(self, rid: str, site: str) -> None:
         """The connector reported ``rid``'s transfer finished: what it still
         holds is the request's again, for the scheduler's late free."""
-        if self.connector_held.pop(rid, None) is None:
+        if rid not in self.connector_held:
             return
+        self.connector_held.discard(rid)
         dst = XFER + rid
         if self.shadow.held_count(dst):
             self.on_transfer(self.shadow.blocks_of(dst), dst, rid, site)

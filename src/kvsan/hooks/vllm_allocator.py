@@ -78,7 +78,7 @@ def _pool_init(wrapped, instance, args, kwargs):
         _guard(rt, "metrics", rt.metrics.update_pool, rt.checkers[instance].shadow.stats())
     # this process hosts a scheduler (an EngineCore, or an in-process engine
     # in a front end): ``kvsan check`` then wants its closing record
-    rt.reporter.event("kvsan.pool", pid=rt.pid, role=rt.role, num_blocks=instance.num_gpu_blocks)
+    rt.reporter.event("kvsan.pool", num_blocks=instance.num_gpu_blocks)
 
 
 def _get_new_blocks(wrapped, instance, args, kwargs):
@@ -624,7 +624,7 @@ def _update_ends(rt, sched, ret) -> None:
                 _guard(rt, "metrics", rt.metrics.update_pool, stats)
                 _hooks.flush_overhead()
                 _guard(rt, "metrics", rt.metrics.flush_counters, rt.overhead_s, rt.step)
-            rt.reporter.event("kvsan.idle", step=rt.step, pid=rt.pid, role=rt.role,
+            rt.reporter.event("kvsan.idle", step=rt.step,
                               pool=stats, movements=dict(ck.counters))
     elif not idle:
         rt.idle_audited = False
@@ -645,7 +645,7 @@ def now_busy(rt) -> None:
     (aborted before it was scheduled).  Once per busy period, not per request."""
     rt.busy = True
     rt.idle_audited = False
-    rt.reporter.event("kvsan.busy", step=rt.step, pid=rt.pid, role=rt.role)
+    rt.reporter.event("kvsan.busy", step=rt.step)
 
 
 def _engine_shutdown(wrapped, instance, args, kwargs):
@@ -682,7 +682,7 @@ def write_shutdown(rt, sched) -> None:
         rt.idle_audited = True
         rt.busy = False
         _guard(rt, "shutdown_audit", audit_scheduler, rt, sched, "kvsan.shutdown_audit")
-    rt.reporter.event("kvsan.shutdown", step=rt.step, pid=rt.pid, role=rt.role,
+    rt.reporter.event("kvsan.shutdown", step=rt.step,
                       in_flight=in_flight, scheduler=ck is not None,
                       pool=ck.shadow.stats() if ck is not None else None)
 

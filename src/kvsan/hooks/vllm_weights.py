@@ -27,7 +27,6 @@ start a new epoch: the names are the fallback, not the rule.
 
 from __future__ import annotations
 
-import os
 import weakref
 
 from .. import runtime as _rt
@@ -47,8 +46,7 @@ def _bump(why: str) -> None:
     epoch = _identity.bump_weights_epoch()
     rt = _rt.get()
     if rt is not None:
-        rt.reporter.event("kvsan.weights_epoch", epoch=epoch, reason=why, step=rt.step,
-                          pid=os.getpid(), role=rt.role)
+        rt.reporter.event("kvsan.weights_epoch", epoch=epoch, reason=why, step=rt.step)
 
 
 class _EngineWeights(WeightsEpoch):

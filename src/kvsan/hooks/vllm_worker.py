@@ -147,7 +147,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
         why = unfollowed(cfg, _dcp_size(runner))
         if why is not None:
             _unfollowed.add(runner)
-            rt.reporter.event("kvsan.device_off", reason=why, pid=rt.pid, role=rt.role)
+            rt.reporter.event("kvsan.device_off", reason=why)
             return None
         layers = _layers(runner)
         dc = DeviceChecker(
@@ -171,7 +171,7 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
         _checkers[runner] = dc
         # which checks this runner gets (some are off on some set-ups: a
         # user reading a clean report must be able to tell), once
-        rt.reporter.event("kvsan.device_on", pid=rt.pid, role=rt.role,
+        rt.reporter.event("kvsan.device_on",
                           runner=type(runner).__name__, device=str(dc.device),
                           num_blocks=dc.num_blocks, block_size=dc.block_size,
                           checksum=dc.checksum, checksum_sample=dc.checksum_sample,
