@@ -624,7 +624,6 @@ def test_the_sampled_round_robin_visits_each_sealed_block_once_per_sweep(monkeyp
     dc.seal(layers)
     assert sweep(3) == [[2], [2], [2]]
     assert dc._in_sweep == {2}  # (the unheld ones left it as they were met)
-    cold = [b for b in blocks if b not in (2, 9)]  # in the order r let go of them
     assert unheld == [[1], [3], [4]]  # 7 spare turns a batch, 1 of them taken
     dc.add_step([("t", [5, 6, 7], 2)])  # prefix hits on 5 and 6; 7 fresh
     assert sweep(1) == [[2, 5, 6]]
@@ -671,9 +670,9 @@ def test_a_sampled_step_while_every_checksum_is_still_on_its_way():
     """``sample:N`` with the first sealings' checksums still being copied
     back from the device (no checksum taken up yet): the sampled step
     queues its verification behind them, and it is compared once they are
-    taken up.  It used to sample from the checksums taken up, dividing by
-    their number (zero): an internal error every 8 steps until the first
-    copy arrived."""
+    taken up (sampling from the checksums taken up would divide by their
+    number, zero, and count an internal error every 8 steps until the
+    first copy arrived)."""
 
     class InFlight:  # a CUDA event whose copy has not completed
         done = False
