@@ -65,6 +65,20 @@ def rt(kvsan_rt):
     faults.clear()
 
 
+@pytest.fixture
+def eng(engine, rt):
+    """The requesting module's in-process engine (its ``engine`` fixture),
+    its prefix cache reset and kvsan's records cleared."""
+    assert engine.reset_prefix_cache()
+    rt.clear()
+    return engine
+
+
+def core(llm):
+    """The EngineCore of an in-process ``LLM``."""
+    return llm.llm_engine.engine_core.engine_core
+
+
 def kinds_of(rt):
     return [v.kind for v in rt.violations()]
 

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from conftest import core
 from kvsan.config import Config
 
 pytestmark = pytest.mark.e2e
@@ -33,17 +34,6 @@ def engine(kvsan_rt):
     yield llm
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     kvsan_rt.config = kvsan_rt.reporter.config = Config(enabled=True, log_events=False)
-
-
-@pytest.fixture
-def eng(engine, rt):
-    assert engine.reset_prefix_cache()
-    rt.clear()
-    return engine
-
-
-def core(llm):
-    return llm.llm_engine.engine_core.engine_core
 
 
 def runner():

@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from conftest import core
 from kvsan.config import Config
 
 pytestmark = pytest.mark.e2e
@@ -42,17 +43,6 @@ def engine(kvsan_rt):
     vllm_worker.forget_runner()
     del llm
     gc.collect()
-
-
-@pytest.fixture
-def eng(engine, rt):
-    assert engine.reset_prefix_cache()
-    rt.clear()
-    return engine
-
-
-def core(llm):
-    return llm.llm_engine.engine_core.engine_core
 
 
 def model(llm):
