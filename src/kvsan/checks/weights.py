@@ -81,15 +81,22 @@ def fingerprint(named: Iterable[tuple[str, object]], full: bool) -> tuple[bytes,
                          .to(torch.int64))
             if full:
                 sums.append(bits.sum(dtype=torch.int64).reshape(1))
-    if parts:
-        quick_h.update(torch.cat([p.cpu() for p in parts]).numpy().tobytes())
+    quick_h.update(_host_bytes(torch, parts))
     quick = quick_h.digest()
     if not full:
         return quick, None
     full_h = hashlib.blake2b(quick, digest_size=16, person=_PERSON)
-    if sums:
-        full_h.update(torch.cat([s.cpu() for s in sums]).numpy().tobytes())
+    full_h.update(_host_bytes(torch, sums))
     return quick, full_h.digest()
+
+
+def _host_bytes(torch, parts: list) -> bytes:
+    """The bytes of ``parts`` (int64 tensors), one copy to the host per
+    device (not one per tensor: on a GPU each copy waits for the device)."""
+    by_device: dict = {}
+    for p in parts:
+        by_device.setdefault(p.device, []).append(p)
+    return b"".join(torch.cat(ps).cpu().numpy().tobytes() for ps in by_device.values())
 
 
 class WeightsEpoch:
