@@ -10,7 +10,8 @@ block tables and cache tensors are all visible around ``execute_model``.
   slot mapping the forward will use).
 * V2 runner (CUDA default): ``execute_model`` (step context, checksums,
   poison) and ``prepare_attn`` (the write guard on the slot mappings its
-  Triton kernel built).  Written from the source; not yet run on a GPU.
+  Triton kernel built).  Run on vLLM's CPU V2 runner (its kernels in
+  Triton's interpreter: tests/test_v2_runner.py); not yet on a GPU.
 * Both: a cached block vLLM evicts is verified when the step that reuses
   it begins, before its forward writes the block's new contents.
 * Both: sealing after the step: where ``execute_model`` hands the step on
