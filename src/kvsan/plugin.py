@@ -15,8 +15,9 @@ from . import runtime as _rt
 
 
 class HookError(RuntimeError):
-    """KVSAN_STRICT=1 and some hook targets are missing or the vLLM version
-    is not supported."""
+    """KVSAN_STRICT=1 and some hook targets are missing, an adapter's
+    contract with vLLM does not hold (:mod:`kvsan.hooks.contract`), or the
+    vLLM version is not supported."""
 
 
 def _vllm_version() -> str | None:
@@ -77,7 +78,10 @@ def install(cfg: _config.Config, role: str | None = None,
     # imported, are kept)
     rt.hooks_installed = installed + [g for g in rt.hooks_installed if g not in installed]
     rt.hooks_missing = missing
-    problems = list(missing)
+    # (after patching: the modules are imported by then, so this times the
+    # check alone; signatures are read through the patches' __wrapped__)
+    contract = _check_contract(rt, cfg)
+    problems = list(missing) + contract.mismatches
     if not supported:
         problems.insert(0, f"vLLM version {version or 'not installed'} is not supported "
                            f"(supported: {', '.join(s + '.x' for s in vllm_allocator.SUPPORTED)})")
@@ -92,9 +96,49 @@ def install(cfg: _config.Config, role: str | None = None,
         vllm=version,
         hooks=installed,
         missing=problems,
+        contract=contract.summary(),
         **({"forked_from": forked_from.pid} if forked_from is not None else {}),
     )
+    if not contract.holds:  # one event: what is off, and which checks with it
+        rt.reporter.event("kvsan.contract", ok=False, vllm=version,
+                          mismatches=contract.mismatches, checks_off=contract.checks_off,
+                          unchecked=contract.unchecked, ms=round(contract.ms, 2))
     return rt
+
+
+def _check_contract(rt, cfg):
+    """Verify, once at start, what this process's adapters rely on in vLLM
+    (:mod:`kvsan.hooks.contract`): the scheduler side's adapters outside a
+    worker, the worker side's in a worker.  Elsewhere the worker side's
+    contract is checked only if its module is already imported (the front
+    end never imports the model runner for it)."""
+    from .hooks import contract as _contract
+    from .hooks import vllm_allocator, vllm_identity, vllm_owners, vllm_weights
+
+    worker_mods = (("vllm.v1.worker.gpu_model_runner", ("vllm_worker", "CONTRACT")),
+                   ("vllm.v1.worker.gpu_model_runner", ("vllm_inputs", "CONTRACT")),
+                   ("vllm.v1.worker.gpu.model_runner", ("vllm_worker", "CONTRACT_V2")))
+    contracts, unchecked = [], []
+    if rt.role != "worker":
+        contracts += [vllm_allocator.CONTRACT, vllm_identity.CONTRACT, vllm_weights.CONTRACT,
+                      vllm_owners.CONTRACT]
+        if cfg.quarantine or cfg.pressure:
+            from .hooks import vllm_quarantine
+
+            contracts.append(vllm_quarantine.CONTRACT)
+    import importlib
+
+    for module, (adapter, name) in worker_mods:
+        c = getattr(importlib.import_module(f"kvsan.hooks.{adapter}"), name)
+        if rt.role == "worker" or module in sys.modules:
+            contracts.append(c)
+        else:
+            unchecked.append(f"{c.adapter}: checked in the worker process ({module} "
+                             f"is not imported here)")
+    result = _contract.check(contracts)
+    result.unchecked[:0] = unchecked
+    rt.contract = result
+    return result
 
 
 def install_forked(parent: _rt.Runtime) -> _rt.Runtime | None:

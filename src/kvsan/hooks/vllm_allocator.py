@@ -25,6 +25,7 @@ from ..checks import AllocatorChecker
 from ..journal import StepJournal
 from . import Target, bind_args, call_context, call_site, guard_failed
 from . import guard as _guard
+from .contract import Contract
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
@@ -1072,3 +1073,56 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests,
                fast=("FINISH", _finished)),
     ]
+
+
+# ------------------------------------------------------------- the contract
+#: what this adapter relies on in vLLM, verified at start-up
+#: (:mod:`kvsan.hooks.contract`): the leading parameters each wrapper reads
+#: by name or position, and the attributes read on vLLM's objects
+CONTRACT = Contract(
+    adapter="allocator",
+    check="the allocator checks (use-after-free, double free, leaks, reuse journal)",
+    methods={
+        f"{_BP}:BlockPool.__init__": ("num_gpu_blocks",),
+        f"{_BP}:BlockPool.get_new_blocks": ("num_blocks",),
+        f"{_BP}:BlockPool.touch": ("blocks",),
+        f"{_BP}:BlockPool.free_blocks": ("ordered_blocks",),
+        f"{_BP}:BlockPool.unpin_blocks": ("blocks",),
+        f"{_BP}:BlockPool.cache_full_blocks": CACHE_FULL_BLOCKS_ARGS,
+        f"{_BP}:BlockPool.cache_partial_block": ("request", "block"),
+        f"{_BP}:BlockPool.move_block_hashes": ("src_block", "dst_block"),
+        f"{_BP}:BlockPool.evict_blocks": ("block_ids",),
+        f"{_BP}:BlockPool.reset_prefix_cache": (),
+        f"{_STM}:SingleTypeKVCacheManager.add_local_computed_blocks": ("request_id",),
+        f"{_STM}:SingleTypeKVCacheManager.allocate_new_blocks": ("request_id",),
+        f"{_STM}:SingleTypeKVCacheManager.allocate_external_computed_blocks": ("request_id",),
+        f"{_STM}:SingleTypeKVCacheManager._remove_blocks_in_range":
+            ("request_id", "first_block", "last_block"),
+        f"{_STM}:SingleTypeKVCacheManager.free": ("request_id",),
+        f"{_STM}:SingleTypeKVCacheManager._apply_cow":
+            ("request_id", "block_idx", "source_block", "cow_block"),
+        f"{_STM}:MambaManager.allocate_new_blocks": ("request_id",),
+        f"{_KVM}:KVCacheManager.allocate_slots": ("request",),
+        f"{_KVM}:KVCacheManager.free": ("request",),
+        f"{_KVC}:KVCacheCoordinator.pop_blocks_for_free": ("request_id",),
+        f"{_SCHED}:Scheduler.add_request": ("request",),
+        f"{_SCHED}:Scheduler.schedule": (),
+        f"{_SCHED}:Scheduler.update_from_output": (),
+        f"{_SCHED}:Scheduler._free_request": ("request",),
+        f"{_SCHED}:Scheduler._connector_finished": ("request",),
+        f"{_SCHED}:Scheduler._update_from_kv_xfer_finished": ("kv_connector_output",),
+        f"{_SCHED}:Scheduler._preempt_request": ("request",),
+        f"{_SCHED}:Scheduler.finish_requests": ("request_ids",),
+        f"{_CORE}:EngineCore.shutdown": (),
+    },
+    attrs={
+        "vllm.v1.core.kv_cache_utils:KVCacheBlock":
+            ("block_id", "ref_cnt", "block_hash", "is_null", "pool", "prev_free_block"),
+        f"{_BP}:BlockPool": ("blocks", "free_block_queue", "num_gpu_blocks"),
+        f"{_STM}:SingleTypeKVCacheManager": ("block_pool", "req_to_blocks", "kv_cache_group_id"),
+        f"{_KVM}:KVCacheManager": ("block_pool", "coordinator"),
+        f"{_KVC}:KVCacheCoordinator": ("block_pool", "single_type_managers"),
+        f"{_SCHED}:Scheduler": ("requests", "kv_cache_manager"),
+        "vllm.v1.request:Request": ("request_id",),
+    },
+)

@@ -24,6 +24,7 @@ from ..checks import identity as _identity
 from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
 from . import Target, bind_args, guard_failed, instrument, request_on_stack, uninstrument
 from . import vllm_allocator as _allocator
+from .contract import Contract
 from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS
 
 _state = {"weights_epoch": 0, "model": None}
@@ -490,3 +491,25 @@ def uninstall() -> None:
     _NATIVE_HITS[0] = None
     _allocator.CACHED_LINKS[0] = None
     uninstrument(targets())
+
+
+#: what the identity audit relies on in vLLM (:mod:`kvsan.hooks.contract`)
+CONTRACT = Contract(
+    adapter="identity",
+    check="the identity audit (cached blocks and prefix hits against their tokens)",
+    methods={
+        "vllm.v1.core.block_pool:BlockPool.cache_full_blocks": CACHE_FULL_BLOCKS_ARGS,
+        f"{_HITS_HOOK[0]}:{_HITS_HOOK[1]}.{_HITS_HOOK[2]}": ("request_id", "new_computed_blocks"),
+        "vllm.v1.core.sched.scheduler:Scheduler.__init__": (),
+        "vllm.v1.engine.core:EngineCore.add_lora": ("lora_request",),
+    },
+    attrs={
+        "vllm.v1.core.kv_cache_utils:KVCacheBlock": ("block_id", "block_hash", "is_null"),
+        "vllm.v1.core.block_pool:BlockPool": ("hash_block_size",),
+        "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator": ("block_pool",),
+        "vllm.v1.core.sched.scheduler:Scheduler":
+            ("vllm_config", "kv_cache_manager", "requests"),
+        "vllm.v1.request:Request": ("request_id", "lora_request", "cache_salt",
+                                    "all_token_ids", "mm_features", "prompt_embeds"),
+    },
+)

@@ -58,6 +58,7 @@ import torch
 from ..checks import native
 from ..checks.device import NOT_FED
 from ..checks.identity import token_link
+from .contract import Contract
 
 
 def install(dc, runner, connector: bool) -> bool:
@@ -243,3 +244,22 @@ def token_digest(tokens: list[int]) -> str:
     """A token-free name for a run of tokens (reports never carry them)."""
     return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8,
                            person=b"kvsan-fed").hexdigest()
+
+
+#: what the input checks rely on in vLLM's V1 runner (:mod:`kvsan.hooks.contract`);
+#: the adapter reads them with ``getattr`` and switches itself off where
+#: they are missing, so a mismatch here says why
+CONTRACT = Contract(
+    adapter="inputs",
+    check="the input checks (sealed blocks against the runner's token inputs)",
+    attrs={
+        "vllm.v1.worker.gpu_model_runner:GPUModelRunner":
+            ("input_batch", "requests", "use_async_scheduling", "seq_lens", "positions",
+             "input_ids"),
+        "vllm.v1.worker.gpu_input_batch:InputBatch":
+            ("token_ids_cpu", "req_id_to_index", "block_table", "req_ids", "num_reqs"),
+        "vllm.v1.worker.block_table:BlockTable": ("block_table", "num_blocks_per_row",
+                                                  "slot_mapping"),
+        "vllm.v1.worker.block_table:MultiGroupBlockTable": ("block_tables",),
+    },
+)

@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import runtime as _rt
 from ..owners import SCHEMA, UTILITY, snapshot
+from .contract import Contract
 from .vllm_allocator import _scheduler_checker
 
 
@@ -68,3 +69,17 @@ def uninstall_engine_method() -> None:
     cls = getattr(mod, _ENGINE_CORE[1], None) if mod is not None else None
     if cls is not None and cls.__dict__.get(UTILITY) is _engine_core_kvsan_owners:
         delattr(cls, UTILITY)
+
+
+#: what ``kvsan owners`` relies on in vLLM (:mod:`kvsan.hooks.contract`)
+CONTRACT = Contract(
+    adapter="owners",
+    check="kvsan owners (EngineCore.kvsan_owners snapshots)",
+    attrs={
+        f"{_ENGINE_CORE[0]}:{_ENGINE_CORE[1]}": ("scheduler",),
+        "vllm.v1.core.sched.scheduler:Scheduler": ("kv_cache_manager", "requests"),
+        "vllm.v1.core.kv_cache_manager:KVCacheManager": ("block_pool",),
+        "vllm.v1.core.block_pool:BlockPool": ("blocks",),
+        "vllm.v1.core.kv_cache_utils:KVCacheBlock": ("ref_cnt", "prev_free_block"),
+    },
+)

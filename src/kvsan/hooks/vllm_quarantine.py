@@ -26,6 +26,7 @@ import wrapt
 
 from .. import runtime as _rt
 from . import guard as _guard
+from .contract import Contract
 
 OWNER = "pin:kvsan-quarantine"
 _held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {block: release step}
@@ -147,3 +148,24 @@ def uninstall() -> None:
     while _patched:
         cls, attr, original = _patched.pop()
         setattr(cls, attr, original)
+
+
+#: what quarantine (``KVSAN_QUARANTINE``) and pressure (``KVSAN_PRESSURE``)
+#: rely on in vLLM (:mod:`kvsan.hooks.contract`)
+CONTRACT = Contract(
+    adapter="quarantine",
+    check="quarantine and pressure (KVSAN_QUARANTINE, KVSAN_PRESSURE)",
+    methods={
+        "vllm.v1.core.block_pool:BlockPool.free_blocks": ("ordered_blocks",),
+        "vllm.v1.core.block_pool:BlockPool.reset_prefix_cache": (),
+        "vllm.v1.core.sched.scheduler:Scheduler.schedule": (),
+    },
+    attrs={
+        "vllm.v1.core.block_pool:BlockPool": ("blocks", "free_block_queue", "free_blocks"),
+        "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue": ("remove", "prepend_n"),
+        "vllm.v1.core.kv_cache_utils:KVCacheBlock":
+            ("block_id", "ref_cnt", "block_hash", "is_null", "pool", "prev_free_block"),
+        "vllm.v1.core.sched.scheduler:Scheduler": ("kv_cache_manager",),
+        "vllm.v1.core.kv_cache_manager:KVCacheManager": ("block_pool",),
+    },
+)

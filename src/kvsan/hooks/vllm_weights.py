@@ -32,6 +32,7 @@ import weakref
 from .. import runtime as _rt
 from ..checks.weights import WeightsEpoch, fingerprint
 from . import Target, guard_failed, instrument, uninstrument
+from .contract import Contract
 from . import vllm_identity as _identity
 
 #: RPC method names that update weights in vLLM and its usual trainers: an
@@ -251,3 +252,18 @@ def install() -> list[str]:
 def uninstall() -> None:
     uninstrument(targets())
     _engines.clear()
+
+
+#: what the weights check relies on in vLLM (:mod:`kvsan.hooks.contract`)
+CONTRACT = Contract(
+    adapter="weights",
+    check="the weights check (cached blocks kept across a weight change)",
+    methods={
+        f"{_MODULE}:EngineCore.collective_rpc": ("method",),
+        f"{_MODULE}:EngineCore.set_weight_version": (),
+        f"{_MODULE}:EngineCore.wake_up": (),
+        f"{_MODULE}:EngineCore.add_request": (),
+    },
+    attrs={f"{_MODULE}:EngineCore": ("model_executor", "scheduler"),
+           "vllm.v1.core.sched.scheduler:Scheduler": ("requests",)},
+)

@@ -36,6 +36,7 @@ from ..checks import native
 from ..checks.device import DeviceChecker
 from . import Target, guard_failed, vllm_inputs
 from . import guard as _guard
+from .contract import Contract
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"
@@ -569,3 +570,39 @@ def targets_v2() -> list[Target]:
     return [Target(_V2, "GPUModelRunner.execute_model", _execute_model, True),
             Target(_V2, "GPUModelRunner.prepare_attn", _prepare_attn_v2, True),
             Target(_V2, "GPUModelRunner.shutdown", _shutdown, True)]
+
+
+#: what the worker-side checks rely on in vLLM's V1 runner
+#: (:mod:`kvsan.hooks.contract`)
+CONTRACT = Contract(
+    adapter="worker-v1",
+    check="the device checks on the V1 model runner (writes into freed or foreign blocks)",
+    methods={
+        f"{_V1}:GPUModelRunner.execute_model": ("scheduler_output",),
+        f"{_V1}:GPUModelRunner._prepare_inputs": ("scheduler_output", "num_scheduled_tokens"),
+        f"{_V1}:GPUModelRunner.shutdown": (),
+    },
+    attrs={
+        f"{_V1}:GPUModelRunner":
+            ("kv_caches", "kv_cache_config", "input_batch", "parallel_config"),
+        "vllm.v1.worker.gpu_input_batch:InputBatch": ("num_reqs", "req_ids", "block_table"),
+        "vllm.v1.kv_cache_interface:KVCacheConfig": ("num_blocks", "kv_cache_groups"),
+    },
+)
+#: the same for the V2 runner, which imports only where Triton works (not
+#: on CPU builds): checked where it imports, reported unchecked elsewhere
+CONTRACT_V2 = Contract(
+    adapter="worker-v2",
+    check="the device checks on the V2 model runner",
+    optional=True,
+    methods={
+        f"{_V2}:GPUModelRunner.execute_model": ("scheduler_output",),
+        f"{_V2}:GPUModelRunner.prepare_attn": ("input_batch",),
+        f"{_V2}:GPUModelRunner.shutdown": (),
+    },
+    attrs={
+        f"{_V2}:GPUModelRunner": ("kv_caches", "kv_cache_config"),
+        "vllm.v1.worker.gpu.input_batch:InputBatch":
+            ("num_reqs", "req_ids", "num_scheduled_tokens", "num_tokens"),
+    },
+)
