@@ -281,11 +281,57 @@ def uninstall() -> None:
     _rt.set_runtime(None)
 
 
+#: vLLM's comma-separated lists of what its Ray paths copy to the actors
+#: they start, besides its own prefixes (``vllm.ray.ray_env.get_env_vars_to_copy``)
+RAY_PREFIXES_VAR = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+RAY_NAMES_VAR = "VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"
+#: what kvsan needs in a Ray actor: its own variables, and the metrics
+#: directory its exporter writes to (:mod:`kvsan.exporter`)
+RAY_PREFIXES = ("KVSAN_",)
+RAY_NAMES = ("KVSAN", "PROMETHEUS_MULTIPROC_DIR")
+
+
+def _append_csv(name: str, items) -> None:
+    """Add ``items`` to the comma-separated list in ``os.environ[name]``,
+    keeping the user's own entries and order (idempotent)."""
+    have = [t.strip() for t in os.environ.get(name, "").split(",") if t.strip()]
+    add = [i for i in items if i not in have]
+    if add:
+        os.environ[name] = ",".join(have + add)
+
+
+def carry_env_to_ray() -> bool:
+    """Make vLLM copy ``KVSAN``/``KVSAN_*`` (and ``PROMETHEUS_MULTIPROC_DIR``)
+    to the Ray actors it starts (the legacy Ray executor's workers, the
+    data-parallel EngineCore actors): those copy only the variables vLLM
+    knows of and the prefixes/names listed in ``VLLM_RAY_EXTRA_ENV_VAR_
+    PREFIXES_TO_COPY``/``VLLM_RAY_EXTRA_ENV_VARS_TO_COPY``, which this
+    appends to (a user's own entries kept).  Done only where this vLLM
+    reads those variables; False elsewhere.  (vLLM's default Ray executor,
+    RayExecutorV2, copies the driver's whole environment.)"""
+    envs = sys.modules.get("vllm.envs")
+    if envs is None:
+        try:
+            from vllm import envs
+        except Exception:  # noqa: BLE001 - no vLLM here: no Ray actors of its
+            return False
+    known = getattr(envs, "environment_variables", {})
+    if RAY_PREFIXES_VAR not in known or RAY_NAMES_VAR not in known:
+        return False
+    _append_csv(RAY_PREFIXES_VAR, RAY_PREFIXES)
+    _append_csv(RAY_NAMES_VAR, RAY_NAMES)
+    cached = getattr(envs, "__getattr__", None)
+    if hasattr(cached, "cache_clear"):  # (vLLM's envs cache, if already on)
+        cached.cache_clear()
+    return True
+
+
 def register() -> None:
     """vLLM entry point: read the environment, install when ``KVSAN=1``."""
     cfg = _config.from_env()
     if not cfg.enabled:
         return
+    carry_env_to_ray()
     already = _rt.get() is not None and _rt.get().pid == os.getpid()
     rt = install(cfg)
     if not already:
