@@ -21,6 +21,31 @@ pytestmark = pytest.mark.e2e
 CHILD = os.path.join(os.path.dirname(__file__), "fork_child.py")
 
 
+BARE_FORK = """
+import os, sys
+from kvsan import plugin
+from kvsan.config import from_env
+plugin.install(from_env(), role="engine")
+pid = os.fork()  # a library's helper (Ray's ray.init forks such), about to exec
+if pid == 0:
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_bare_os_fork_child_writes_no_report(tmp_path):
+    """Only a child multiprocessing starts (vLLM's EngineCore and workers)
+    becomes a kvsan process; a bare ``os.fork`` child writes nothing (it
+    would read, to the CI gate, as an engine that died while starting)."""
+    env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=str(tmp_path) + os.sep)
+    proc = subprocess.run([sys.executable, "-c", BARE_FORK], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    installed = [r for r in read_records(str(tmp_path)) if r.get("event") == "kvsan.installed"]
+    assert len(report_files(str(tmp_path))) == 1
+    assert len(installed) == 1 and "forked_from" not in installed[0]
+
+
 def run_child(report, mode, tp=1, **env_vars):
     from kvsan.tinymodel import ensure_tiny_model
 

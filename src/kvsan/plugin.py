@@ -143,9 +143,9 @@ def _check_contract(rt, cfg):
 
 def install_forked(parent: _rt.Runtime) -> _rt.Runtime | None:
     """kvsan in a forked child (``VLLM_WORKER_MULTIPROC_METHOD=fork``: the
-    EngineCore forked from the front end, a worker from its EngineCore; or
-    a bare ``os.fork``), called by :mod:`kvsan.runtime`'s fork handlers once
-    the child has its name.  vLLM does not call :func:`register` there (its
+    EngineCore forked from the front end, a worker from its EngineCore:
+    multiprocessing's fork), called by :mod:`kvsan.runtime`'s fork handler
+    once the child has its name.  vLLM does not call :func:`register` there (its
     "plugins loaded" flag is inherited), so this does what it does: install
     for the child's own role, engine and rank (the hooks the parent patched
     are inherited and kept, the child's own are added: a worker's device

@@ -161,10 +161,14 @@ def _after_fork_in_child() -> None:
     and vLLM's "plugins loaded" flag: ``register`` is not called again).
     Nothing of the parent's is kept: its runtime is set aside at once (no
     hook records into it: its report descriptor, counters, pools and role
-    are the parent's) and kvsan is installed again for the child
-    (:func:`kvsan.plugin.install_forked`) once the child knows its role:
-    at once after a bare ``os.fork``, or after multiprocessing's bootstrap
-    named the process (``EngineCore``, ``VllmWorker-N``)."""
+    are the parent's).  A child multiprocessing starts (how vLLM forks its
+    EngineCore and workers) gets kvsan again
+    (:func:`kvsan.plugin.install_forked`) once its bootstrap named it
+    (``EngineCore``, ``VllmWorker-N``).  A bare ``os.fork`` child does
+    not: those are other libraries' helpers, most about to ``exec``
+    (Ray's ``ray.init`` starts five), and each would write a report of an
+    engine process that never set up a pool, which the CI gate reads as
+    an engine that died while starting."""
     global _forked_from
     rt = _runtime
     if rt is None or rt.pid == os.getpid():
@@ -172,9 +176,7 @@ def _after_fork_in_child() -> None:
     set_runtime(None)
     if rt.reporter._sink is not None:
         rt.reporter._sink.forget_inherited()
-    _forked_from = rt
-    if not _forked_by_multiprocessing():
-        _child_named()
+    _forked_from = rt if _forked_by_multiprocessing() else None
 
 
 def _child_named(_obj=None) -> None:
