@@ -43,6 +43,19 @@ def events(report, name):
     return [r for r in read_records(report) if r.get("event") == name]
 
 
+def only_the_scribble_on_rank_1(report):
+    """The report's violations: exactly one ``checksum_mismatch`` on the
+    block rank 1's ``scribble_sealed`` wrote, naming the request that holds
+    it and rank 1 of engine 0."""
+    (fault,) = events(report, "kvsan.fault_applied")
+    assert (fault["role"], fault["rank"]) == ("worker", 1)
+    found = violations(report)
+    assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
+            for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
+                                 "worker", 0, 1)], found
+    return found
+
+
 def test_every_process_says_its_role_engine_and_rank(tp_run):
     report, stats = tp_run
     assert stats["finished"] > 0 and stats["aborted"] > 0 and stats["cached_tokens"] > 0
@@ -63,12 +76,7 @@ def test_a_scribble_on_rank_1_is_reported_by_rank_1_only(tp_run):
     injected scribble on rank 1: one ``checksum_mismatch`` naming the block,
     the request that holds it and rank 1."""
     report, _ = tp_run
-    (fault,) = events(report, "kvsan.fault_applied")
-    assert (fault["role"], fault["rank"]) == ("worker", 1)
-    found = violations(report)
-    assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
-            for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
-                                 "worker", 0, 1)], found
+    found = only_the_scribble_on_rank_1(report)
     assert found[0]["details"][0]["layers"] == [0]  # the layer the scribble went into
     chk = subprocess.run([sys.executable, "-m", "kvsan.cli", "check", report],
                          capture_output=True, text=True)

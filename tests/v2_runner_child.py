@@ -22,6 +22,8 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))
 
+from test_device import add, block_ids, drain, step  # noqa: E402 - (no vllm import)
+
 BS = 32
 PREFIX = [(7 * i) % 500 + 1 for i in range(2 * BS)]
 
@@ -92,29 +94,6 @@ def facts(rt, llm) -> dict:
                         "details": v.details} for v in rt.violations()],
     }
 
-
-def add(llm, rid, prompt, max_tokens):
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=prompt), p)
-
-
-def step(llm, n=1):
-    for _ in range(n):
-        llm.llm_engine.step()
-
-
-def drain(llm):
-    while llm.llm_engine.has_unfinished_requests():
-        step(llm)
-
-
-def block_ids(llm, rid):
-    sched = llm.llm_engine.engine_core.engine_core.scheduler
-    full = next(r for r in sched.requests if r == rid or r.startswith(rid + "-"))
-    return full, list(sched.kv_cache_manager.get_block_ids(full)[0])
 
 
 def clean() -> dict:
