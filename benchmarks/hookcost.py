@@ -66,7 +66,7 @@ def _timed_hooks() -> dict[str, list[int]]:
     """Make kvsan's trampolines (and the identity audit's observer) timed
     ones, in this process; returns the label -> [calls, ns] they fill."""
     from kvsan import hooks
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
     scope: dict = {}

@@ -98,7 +98,7 @@ def audit_time(n: int, repeat: int = 5) -> dict:
     from vllm.v1.core.block_pool import BlockPool
 
     try:
-        from kvsan.hooks.vllm_allocator import pool_view
+        from kvsan.hooks.vllm.allocator import pool_view
     except ImportError:  # a kvsan without the vectorised audit ("before" figures)
         def pool_view(blocks):
             return ([b.ref_cnt for b in blocks],

@@ -96,7 +96,7 @@ def _activate(lane, device: bool = False) -> None:
     the worker's too, as in-process mode runs it) and runtime."""
     from kvsan import hooks
     from kvsan import runtime as _rt
-    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
+    from kvsan.hooks.vllm import allocator as vllm_allocator, identity as vllm_identity, worker as vllm_worker
 
     vllm_identity.uninstall()
     hooks.uninstrument()

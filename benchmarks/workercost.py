@@ -30,12 +30,12 @@ from collections import defaultdict
 
 from .common import ENV, native_hooks, table
 
-#: the worker adapter's functions (``kvsan.hooks.vllm_worker``) a step runs
+#: the worker adapter's functions (``kvsan.hooks.vllm.worker``) a step runs
 #: in Python: the hooks' Python routes and what they share
 WORKER_FUNCTIONS = ("_begin", "_step_ends", "_seal_left", "_guard_step", "_native_guard",
                     "_native_step_ends", "_native_scrub", "_hand_to_native", "_layers")
 #: the input-token check of sealed blocks and the block-table row check
-#: (``kvsan.hooks.vllm_inputs``)
+#: (``kvsan.hooks.vllm.inputs``)
 INPUT_FUNCTIONS = ("_check_sealed", "check_rows")
 #: the device checker's methods (``kvsan.checks.device.DeviceChecker``)
 CHECKER_METHODS = ("add_step", "drop_requests", "verify_step", "verify", "_sums_now", "checksums",
@@ -64,7 +64,7 @@ class Probe:
 
     def __init__(self):
         from kvsan.checks.device import DeviceChecker
-        from kvsan.hooks import vllm_inputs, vllm_worker
+        from kvsan.hooks.vllm import inputs as vllm_inputs, worker as vllm_worker
 
         self.acc: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for module, names in ((vllm_worker, WORKER_FUNCTIONS), (vllm_inputs, INPUT_FUNCTIONS)):

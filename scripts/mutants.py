@@ -44,7 +44,7 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from benchmarks import sched as S  # noqa: E402
-from kvsan.hooks import vllm_allocator  # noqa: E402
+from kvsan.hooks.vllm import allocator as vllm_allocator  # noqa: E402
 
 CLASSES = [
     (bp_mod, "BlockPool"), (kcu, "FreeKVCacheBlockQueue"), (kvm_mod, "KVCacheManager"),

@@ -79,7 +79,7 @@ def run(llm):
 @functools.cache
 def kvsan_targets() -> tuple:
     """Every method kvsan hooks in an in-process engine."""
-    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_worker
+    from kvsan.hooks.vllm import allocator as vllm_allocator, identity as vllm_identity, worker as vllm_worker
 
     return tuple(t for mod in (vllm_allocator, vllm_identity, vllm_worker) for t in mod.targets())
 

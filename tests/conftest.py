@@ -60,7 +60,7 @@ def no_own_errors(request):
 def rt(kvsan_rt):
     kvsan_rt.clear()
     yield kvsan_rt
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     faults.clear()
 

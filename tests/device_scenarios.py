@@ -29,7 +29,7 @@ def boot(**cfg):
 def early_free_reuse():
     from test_device import add, block_ids, step
 
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     rt, eng = boot()
     faults.inject("double_unref_on_abort")  # A's cancel drops B's references too
@@ -53,7 +53,7 @@ def early_free_reuse():
 def poison():
     from test_device import add, block_ids, core, drain, step
 
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     rt, eng = boot()
     prompt = [(11 * i) % 480 + 1 for i in range(BS + 20)]

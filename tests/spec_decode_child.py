@@ -49,7 +49,7 @@ def main(model: str) -> None:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     from kvsan import current_runtime, traffic
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     seen = {"draft_steps": 0, "draft_tokens": 0, "rewritten": 0}
     last = {}  # request -> the last position it wrote

@@ -51,7 +51,7 @@ class WorkerView:
     def step(self, so) -> None:
         import torch
 
-        from kvsan.hooks.vllm_worker import begin_step
+        from kvsan.hooks.vllm.worker import begin_step
 
         begin_step(self.rt, self.dc, so, [])
         for rid in list(so.finished_req_ids) + list(so.preempted_req_ids or ()):
@@ -171,7 +171,7 @@ def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
 
 
 def test_async_scheduling_traffic_is_legal(rt):
-    from kvsan.hooks.vllm_allocator import audit_scheduler
+    from kvsan.hooks.vllm.allocator import audit_scheduler
 
     errors = rt.reporter.internal_errors  # (other tests' deliberate failures before)
     sched, worker, seen = drive(rt)

@@ -14,8 +14,8 @@ from kvsan.hooks import contract as _contract
 
 
 def _all():
-    from kvsan.hooks import (vllm_allocator, vllm_identity, vllm_inputs, vllm_owners,
-                             vllm_quarantine, vllm_weights, vllm_worker)
+    from kvsan.hooks.vllm import (allocator as vllm_allocator, identity as vllm_identity, inputs as vllm_inputs, owners as vllm_owners,
+                             quarantine as vllm_quarantine, weights as vllm_weights, worker as vllm_worker)
 
     return [vllm_allocator.CONTRACT, vllm_identity.CONTRACT, vllm_weights.CONTRACT,
             vllm_quarantine.CONTRACT, vllm_owners.CONTRACT, vllm_worker.CONTRACT,
@@ -35,7 +35,7 @@ def test_real_vllm_passes_every_contract():
 
 def test_every_hook_target_is_in_a_contract():
     """A target added to an adapter without its contract entry fails here."""
-    from kvsan.hooks import vllm_allocator, vllm_identity, vllm_weights, vllm_worker
+    from kvsan.hooks.vllm import allocator as vllm_allocator, identity as vllm_identity, weights as vllm_weights, worker as vllm_worker
 
     declared = {k.replace(":", ".") for c in _all() for k in c.methods}
     targets = (vllm_allocator.targets() + vllm_allocator.shutdown_targets()

@@ -162,7 +162,7 @@ def test_a_block_cached_and_evicted_in_one_step_is_not_sent_as_cached():
     last.  Cached then evicted (its request preempted in the step that
     cached it): not sent to the worker as cached, where it would be sealed
     while reused.  Evicted then cached again: sent."""
-    from kvsan.hooks.vllm_allocator import still_cached
+    from kvsan.hooks.vllm.allocator import still_cached
 
     ck, out = checker()
     ck.on_allocate([(3, 1), (4, 1)], "A", "s")

@@ -15,6 +15,7 @@ import pytest
 from test_serve import free_port_block
 
 from kvsan import exporter
+from kvsan.hooks.vllm import processes
 from kvsan.reportfile import read_records, report_files, violations
 
 pytestmark = pytest.mark.e2e
@@ -225,7 +226,7 @@ def test_vllm_serve_data_parallel_api_servers_get_their_own_ports(tmp_path):
 
 
 def test_api_server_ports():
-    assert [exporter.api_server_index(n) for n in ("ApiServer_0", "ApiServer_3",
+    assert [processes.api_server(n) for n in ("ApiServer_0", "ApiServer_3",
                                                    "MainProcess", "EngineCore_DP1")] == [
         0, 3, None, None]
     assert [exporter.port_for(9400, "frontend", api_server=n) for n in (None, 0, 1)] == [

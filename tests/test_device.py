@@ -37,14 +37,14 @@ def engine(kvsan_rt):
 
 
 def runner():
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     (r,) = list(vllm_worker._checkers)
     return r
 
 
 def device():
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     (dc,) = list(vllm_worker._checkers.values())
     return dc
@@ -104,7 +104,7 @@ def test_clean_traffic_strictest_settings(eng, rt):
     dc = device()
     assert dc.counters["sealed"] > 0 and dc.counters["verified"] > 0
     assert dc.counters["guarded_tokens"] > 0
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     # the identity audit compared every prefix hit and found the keys right
     assert next(iter(vllm_identity._audits.values())).checked > 0
@@ -155,7 +155,7 @@ def test_a_drafter_writing_after_the_forward_is_legal(eng, rt, monkeypatch):
     import torch
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     hooked = GPUModelRunner.__dict__["sample_tokens"]
     drafted = []
@@ -196,7 +196,7 @@ def test_identity_audit_on_the_real_engine(eng, rt, monkeypatch):
     from vllm.inputs import TokensPrompt
     import vllm.v1.core.kv_cache_utils as kcu
 
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     original = kcu.generate_block_hash_extra_keys
 
@@ -227,7 +227,7 @@ def test_scribble_into_sealed_block_is_checksum_mismatch(eng, rt):
     _, a_blocks = block_ids(eng, "A")
     target = a_blocks[1]
     assert target in device().sealed
-    from kvsan.hooks.vllm_worker import _layers
+    from kvsan.hooks.vllm.worker import _layers
 
     _layers(runner())[1][target].add_(1.0)  # a stray write, no allocator call
     add(eng, "B", PREFIX + [22] * 5, max_tokens=4)
@@ -263,7 +263,7 @@ def test_slot_mapping_into_sealed_shared_block(eng, rt):
             fired.append(True)
         return ret
 
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     original = BlockTable.__dict__["compute_slot_mapping"]
     wrapt.wrap_function_wrapper(BlockTable, "compute_slot_mapping", corrupt)
@@ -574,7 +574,7 @@ def test_a_blocks_request_tokens_span_prompt_and_output():
     """Where a block's positions cross from the prompt into the output the
     request's tokens are read from both; a block the request has not
     produced every token of yet has none to compare (None)."""
-    from kvsan.hooks.vllm_inputs import request_tokens, token_digest
+    from kvsan.hooks.vllm.inputs import request_tokens, token_digest
 
     prompt, output = [1, 2, 3, 4, 5], [6, 7, 8]
     assert request_tokens(prompt, output, 0, 4) == [1, 2, 3, 4]
@@ -641,7 +641,7 @@ def test_v2_prepare_attn_guard_adapter(kvsan_rt):
     import torch
 
     from kvsan.checks.device import DeviceChecker
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     kvsan_rt.clear()
     dc = DeviceChecker(8, BS, emit=kvsan_rt.reporter.emit)
@@ -684,7 +684,7 @@ def test_runner_shutdown_reports_what_is_still_on_its_way(kvsan_rt):
     import torch
 
     from kvsan.checks.device import DeviceChecker
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     kvsan_rt.clear()
     dc = DeviceChecker(8, BS, emit=kvsan_rt.reporter.emit, checksum="all",
@@ -723,7 +723,7 @@ def test_runner_shutdown_runs_after_a_raised_violation_and_keeps_nothing(kvsan_r
 
     from kvsan.checks.device import DeviceChecker
     from kvsan.config import Config
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
     from kvsan.report import KVSanViolation
 
     kvsan_rt.clear()

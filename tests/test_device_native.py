@@ -748,7 +748,7 @@ def test_the_worker_view_follows_only_caches_it_understands():
         UniformTypeKVCacheSpecs,
     )
 
-    from kvsan.hooks.vllm_worker import unfollowed
+    from kvsan.hooks.vllm.worker import unfollowed
 
     full = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=8, dtype=torch.float32)
     window = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=8,
@@ -785,7 +785,7 @@ def test_a_runners_decode_context_parallel_size_is_read_from_its_config():
 
     from vllm.config import ParallelConfig
 
-    from kvsan.hooks.vllm_worker import _dcp_size
+    from kvsan.hooks.vllm.worker import _dcp_size
 
     v2 = types.SimpleNamespace(parallel_config=ParallelConfig(), dcp_size=1)
     assert _dcp_size(v2) == 1
@@ -839,7 +839,7 @@ def test_a_gpu_runners_read_extents_are_copied_and_a_cpu_runners_read_in_place()
     where they are not int tensors."""
     from types import SimpleNamespace
 
-    from kvsan.hooks import vllm_inputs
+    from kvsan.hooks.vllm import inputs as vllm_inputs
 
     class Runner:  # (the V1 runner as the adapter tells it: _prepare_inputs, token rows)
         def _prepare_inputs(self):

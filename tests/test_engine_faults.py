@@ -200,7 +200,7 @@ def test_free_queue_corruption_referenced_block_in_queue(rt):
 
 
 def test_leaked_blocks_on_abort(rt):
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     faults.inject("leak_on_abort")
     m = make_manager(12)
@@ -259,7 +259,7 @@ def test_mamba_align_cow_of_a_running_request_is_legal(rt):
     """The running-request copy-on-write of Mamba "align" mode: the retained
     source and copy are released by the scheduler, then a sibling is served
     the moved partial tail; zero violations, and the full audit agrees."""
-    from kvsan.hooks.vllm_allocator import pool_view
+    from kvsan.hooks.vllm.allocator import pool_view
 
     m = make_hybrid_manager(80)
     a, src, cow, retained = _mamba_running_cow(m)
@@ -394,7 +394,7 @@ def test_randomized_clean_hybrid_mamba_sequences(rt, seed):
 
     from vllm.v1.request import RequestStatus
 
-    from kvsan.hooks.vllm_allocator import pool_view
+    from kvsan.hooks.vllm.allocator import pool_view
 
     rng = random.Random(seed)
     m = make_hybrid_manager(rng.choice([40, 80]), rng.choice([32, 64]), spec_blocks=seed % 3)
@@ -466,7 +466,7 @@ def test_instrumenting_twice_wraps_each_method_once(rt):
     from vllm.v1.core.block_pool import BlockPool
 
     from kvsan import hooks
-    from kvsan.hooks import vllm_allocator
+    from kvsan.hooks.vllm import allocator as vllm_allocator
 
     hooks.instrument(vllm_allocator.targets())
     for attr in ("free_blocks", "unpin_blocks", "get_new_blocks"):
@@ -474,7 +474,7 @@ def test_instrumenting_twice_wraps_each_method_once(rt):
         assert not getattr(inner, "__kvsan_patched__", False), attr
     top = BlockPool.__dict__["cache_full_blocks"]
     if hooks.native_hook(top) is not None:  # the identity audit rides on it as observer
-        from kvsan.hooks import vllm_identity
+        from kvsan.hooks.vllm import identity as vllm_identity
 
         assert top.observer is vllm_identity._cached
         assert not getattr(top.__wrapped__, "__kvsan_patched__", False)

@@ -240,7 +240,7 @@ def test_worker_side_failure_is_counted_not_raised(rt):
     A violation raised by a check (raise / abort modes) still propagates."""
     from types import SimpleNamespace
 
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
     from kvsan.report import KVSanViolation
 
     def broken():

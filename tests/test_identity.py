@@ -208,7 +208,7 @@ def test_prompt_embeds_with_correct_keys_are_silent(rt):
 
 
 def test_weights_updated_without_prefix_reset(rt):
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     m = make_manager(24)
     serve(m, request("A"))
@@ -237,7 +237,7 @@ def test_a_producer_cached_over_several_calls(rt, kcu, monkeypatch, native):
     from vllm.v1.core.block_pool import BlockPool
 
     from kvsan import hooks
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     original = kcu.hash_block_tokens
     monkeypatch.setattr(kcu, "hash_block_tokens",
@@ -278,7 +278,7 @@ def test_new_producers_recorded_natively(rt, native):
     from vllm.v1.core.block_pool import BlockPool
 
     from kvsan import hooks
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     hook = hooks.native_hook(BlockPool.__dict__["cache_full_blocks"])
     if hook is None:
@@ -517,7 +517,7 @@ def test_known_chain_matches_the_python_chain():
         pytest.skip("the speed-ups are built for CPython 3.11")
     from kvsan._tokenlinks import known_chain
     from kvsan.checks import identity
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     chains = vllm_identity._chains
     r = request("kc-1", list(range(100)))
@@ -557,7 +557,7 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request(native):
         pytest.skip("the C paths' chains (with KVSAN_NATIVE=0 the Python reaper is in use)")
     from kvsan._tokenlinks import known_chain
     from kvsan.checks.identity import RequestIdentity
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     chains = vllm_identity._chains
     make = vllm_identity._MAKE[0]

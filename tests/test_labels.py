@@ -8,7 +8,8 @@ import multiprocessing
 
 import pytest
 
-from kvsan import faults, runtime
+from kvsan import runtime
+from kvsan.hooks.vllm import faults, processes
 from kvsan.config import Config
 from kvsan.report import Reporter, Violation
 
@@ -31,7 +32,7 @@ def test_engine_and_rank_from_vllms_process_names(monkeypatch, role, me, parent,
     monkeypatch.setattr(multiprocessing, "current_process", lambda: _Proc(me))
     monkeypatch.setattr(multiprocessing, "parent_process",
                         lambda: _Proc(parent) if parent else None)
-    assert runtime.detect_identity(role) == want
+    assert processes.identity(role) == want
 
 
 def test_records_and_events_carry_role_engine_rank(tmp_path):

@@ -239,7 +239,7 @@ def test_native_pool_view_matches_python(rt, native_switch):
     blocks, a negative count and the null block."""
     import numpy as np
 
-    from kvsan.hooks.vllm_allocator import pool_view
+    from kvsan.hooks.vllm.allocator import pool_view
 
     m = make_manager(16)
     a = make_request(list(range(48)) + [1], "A")

@@ -331,7 +331,7 @@ def inject_free_queue_corruption(mc):
 
 
 def inject_leaked_blocks(mc):
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     _room(mc, 4)
     _req(mc, fresh(40), "A")

@@ -21,7 +21,7 @@ def pressure(rt):
     """The pressure hook installed as the plugin installs it for
     ``KVSAN_QUARANTINE=pressure`` (outside kvsan's allocator hooks)."""
     from kvsan.config import Config
-    from kvsan.hooks import vllm_quarantine
+    from kvsan.hooks.vllm import quarantine as vllm_quarantine
 
     assert vllm_quarantine.install(Config(enabled=True, pressure=True)) == \
         ["quarantine:BlockPool.free_blocks"]
@@ -42,7 +42,7 @@ def shared_prefix_then_abort(rt):
     """A and B share three cached prefix blocks; A is cancelled with the
     ``double_unref_on_abort`` fault, which frees them while B still reads
     them.  Returns the manager and the shared block ids."""
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     m = make_manager(12)  # 11 usable blocks: A takes 4, B 1, 6 never used
     a = make_request(PREFIX + [1000, 1001], "A")
@@ -114,7 +114,7 @@ def test_pressure_on_clean_traffic_reports_nothing(pressure):
 def test_a_failure_in_the_pressure_hook_does_not_reach_vllm(pressure, monkeypatch):
     """log mode: an exception inside the hook's own code is counted as
     kvsan's error (site ``pressure``) and the engine's free completes."""
-    from kvsan.hooks import vllm_quarantine
+    from kvsan.hooks.vllm import quarantine as vllm_quarantine
 
     rt = pressure
 

@@ -18,7 +18,8 @@ _PROBE = r"""
 import json, os
 import kvsan.plugin as p
 p.register()
-again = p.carry_env_to_ray() if os.environ.get("KVSAN") == "1" else None  # idempotent
+from kvsan.hooks.vllm import carry_env_to_ray
+again = carry_env_to_ray() if os.environ.get("KVSAN") == "1" else None  # idempotent
 from vllm.ray.ray_env import get_env_vars_to_copy
 # as RayDistributedExecutor / CoreEngineActorManager call it
 from vllm.v1.executor.ray_utils import WORKER_SPECIFIC_ENV_VARS
@@ -74,7 +75,7 @@ def test_nothing_changes_when_off(on_and_off):
 
 
 def test_append_csv_is_idempotent(monkeypatch):
-    from kvsan.plugin import _append_csv
+    from kvsan.hooks.vllm import _append_csv
 
     monkeypatch.setenv("KVSAN_TEST_LIST", " A_, B_ ,")
     _append_csv("KVSAN_TEST_LIST", ("KVSAN_", "A_"))

@@ -95,7 +95,7 @@ def run(sched, abort_at=2, drain_twice=False):
 
 
 def test_fenced_frees_are_legal(rt):
-    from kvsan.hooks.vllm_allocator import audit_scheduler
+    from kvsan.hooks.vllm.allocator import audit_scheduler
 
     sched = scheduler()
     assert run(sched) > 0  # the aborted requests' blocks really were fenced

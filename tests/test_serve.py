@@ -587,9 +587,6 @@ def test_exporter_ports_and_bad_values():
     from kvsan import exporter
     from kvsan.config import ConfigError
 
-    assert exporter.process_rank("EngineCore_DP3") == 3
-    assert exporter.process_rank("VllmWorker-2") == 2
-    assert exporter.process_rank("MainProcess") == 0
     assert [exporter.port_for(9400, r, k) for r, k in
             (("frontend", 0), ("engine", 0), ("engine", 1), ("worker", 0), ("worker", 7))] == [
         9400, 9401, 9402, 9500, 9507]

@@ -31,7 +31,7 @@ def test_blocks_a_window_moved_past_are_no_reuse(sliding_model, rt, monkeypatch)
     from vllm.inputs import TokensPrompt
 
     from kvsan import traffic
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     dropped = []

@@ -80,7 +80,7 @@ def test_clean_soak_is_clean_and_matches_the_reference(model, audit_every_step):
 
 
 def test_fault_soak_is_found_and_shrunk(model, rt, tmp_path):
-    from kvsan import faults
+    from kvsan.hooks.vllm import faults
 
     reqs, toks = stress.make_trace(1, 14, ed.vocab_size(model), 0.3)
     faults.inject("double_unref_on_abort")

@@ -46,7 +46,7 @@ def scenario(name: str) -> dict:
 
 
 def _targets():
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     return vllm_worker.targets_v2()
 

@@ -34,7 +34,7 @@ def mutated(cls, name: str, old: str, new: str):
     kvsan hooks is unhooked first and hooked again once changed (as the
     plugin hooks vLLM's methods, whatever their code), then restored."""
     from kvsan import hooks
-    from kvsan.hooks import vllm_allocator
+    from kvsan.hooks.vllm import allocator as vllm_allocator
 
     hooked = [t for t in vllm_allocator.targets() if t.qualname == f"{cls.__name__}.{name}"]
     hooks.uninstrument(hooked)
@@ -130,7 +130,7 @@ def test_free_queue_count_that_drifts_from_its_list(rt, method, old, new):
     from vllm.v1.request import RequestStatus
 
     from benchmarks.sched import make_scheduler
-    from kvsan.hooks.vllm_allocator import audit_scheduler
+    from kvsan.hooks.vllm.allocator import audit_scheduler
     from test_scheduler_paths import model_output, request
 
     def run():

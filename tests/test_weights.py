@@ -3,7 +3,7 @@ model, LoRA on): a prefix hit on KV computed under other weights or another
 adapter version is ``cache_key_mismatch`` naming the field; the same change
 followed by ``reset_prefix_cache()``, a weight-neutral RPC and one adapter
 under two names are clean.  kvsan learns of weight changes from the weights
-themselves (``kvsan.hooks.vllm_weights``), whatever the RPC is called."""
+themselves (``kvsan.hooks.vllm.weights``), whatever the RPC is called."""
 
 import gc
 import json
@@ -38,7 +38,7 @@ def engine(kvsan_rt):
     yield llm
     os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     llm.llm_engine.engine_core.shutdown()
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     vllm_worker.forget_runner()
     del llm
@@ -113,7 +113,7 @@ def test_weights_changed_by_a_callable_rpc_without_reset(eng, rt):
 
 
 def test_weights_changed_then_reset_is_clean(eng, rt):
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     run(eng, "A", PREFIX + [1])
     before = vllm_identity.weights_epoch()
@@ -143,7 +143,7 @@ def test_weights_loaded_in_process_without_any_rpc(eng, rt):
 
 
 def test_weight_neutral_rpcs_start_no_epoch(eng, rt):
-    from kvsan.hooks import vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity
 
     run(eng, "A", PREFIX + [1])
     before = vllm_identity.weights_epoch()

@@ -60,7 +60,7 @@ def hook(attr):
 
 
 def mine():
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     ref, dc = vllm_worker._LAST_CHECKER
     assert ref is not None and dc is not None
@@ -68,7 +68,7 @@ def mine():
 
 
 def device():
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     return vllm_worker._LAST_CHECKER[1]
 
@@ -104,7 +104,7 @@ def of(rt, kind):
 def _python_hooks_only(monkeypatch):
     """The worker's Python hooks for every step: the native hooks never get
     their state (they hand every call to the Python hook, whole)."""
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     monkeypatch.setattr(vllm_worker, "_hand_to_native", lambda rt, cls: None)
     for attr in ("execute_model", "_prepare_inputs"):
@@ -324,7 +324,7 @@ def test_sampled_checksums_in_quiet_steps_find_a_scribble(eng, rt):
     """Quiet steps keep the sampling tick: the sealed block a stray write
     changed is re-verified within one sweep of decode steps."""
     from kvsan.checks.device import DeviceChecker
-    from kvsan.hooks.vllm_worker import _layers
+    from kvsan.hooks.vllm.worker import _layers
 
     add(eng, "A", PREFIX + [11] * 5, max_tokens=60)
     step(eng, 2)
@@ -395,7 +395,7 @@ def test_a_scribble_on_a_cached_block_nobody_holds_is_found_by_the_scrub(eng, rt
     prompt shares nothing and the pool has room), yet the sampled scrub
     finds it on the batch's spare budget, naming A, who last held it."""
     from kvsan.checks.device import DeviceChecker
-    from kvsan.hooks.vllm_worker import _layers
+    from kvsan.hooks.vllm.worker import _layers
 
     a_full, prefix = _finished_with_cached_prefix(eng, "A")
     target = prefix[1]
@@ -417,7 +417,7 @@ def test_a_scribble_on_a_cached_block_nobody_holds_is_found_when_it_is_evicted(e
     to D under pressure.  The scribble is found as vLLM evicts the block,
     before D's forward writes it, naming A; D's own new KV in the reused
     blocks is not reported."""
-    from kvsan.hooks.vllm_worker import _layers
+    from kvsan.hooks.vllm.worker import _layers
 
     a_full, prefix = _finished_with_cached_prefix(eng, "A")
     target = prefix[1]

@@ -79,7 +79,7 @@ def runner(llm):
 def facts(rt, llm) -> dict:
     from vllm.v1.worker.gpu import block_table
 
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     r = runner(llm)
     dc = vllm_worker._checkers.get(r)
@@ -110,7 +110,7 @@ def clean() -> dict:
 def scribble() -> dict:
     """A stray write (no allocator call, no slot mapping) into a sealed
     prefix block, found when the next request is served that prefix."""
-    from kvsan.hooks import vllm_worker
+    from kvsan.hooks.vllm import worker as vllm_worker
 
     rt, llm = boot(num_blocks=12, max_num_batched_tokens=48, max_num_seqs=4, max_model_len=320)
     add(llm, "A", PREFIX + [11] * 5, max_tokens=40)

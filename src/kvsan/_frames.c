@@ -2,7 +2,7 @@
  * frame stack without building Python frame objects.
  *
  * The pure-Python path (kvsan.hooks.engine_frame / owner_from_frames and
- * kvsan.hooks.vllm_allocator._site_of) walks ``sys._getframe()`` and reads the
+ * kvsan.hooks.vllm.allocator._site_of) walks ``sys._getframe()`` and reads the
  * owner frame's ``f_locals``.  On CPython 3.11 that materialises a frame
  * object for every frame walked (each then pays a copy when its function
  * returns) and converts the owner frame's fast locals into a dict: about
@@ -34,6 +34,8 @@
 /* set by configure(): strong references */
 static PyObject *trampoline_code = NULL; /* code object of kvsan's trampolines */
 static PyObject *hooks_prefix = NULL;    /* str: directory of kvsan's hook modules */
+static PyObject *engine_file = NULL;     /* str or NULL: the one file there whose frames
+                                          * stand for the engine's (the injected faults) */
 static PyObject *sites = NULL;           /* dict (id(code), f_lasti) -> (code, text) */
 static PyObject *site_text = NULL;       /* callable(code, f_lasti) -> text (a miss) */
 static PyObject *owner_slots = NULL;     /* dict id(code) -> (code, slot, attr|None) */
@@ -82,6 +84,13 @@ is_kvsan(_PyInterpreterFrame *f)
                                        PY_SSIZE_T_MAX, -1);
     if (r < 0) {
         return -1;
+    }
+    if (r == 1 && engine_file != NULL) {
+        int same = PyUnicode_Compare(code->co_filename, engine_file);
+        if (same == -1 && PyErr_Occurred()) {
+            return -1;
+        }
+        r = same != 0;
     }
     e->kvsan = (int)r;
     Py_XSETREF(e->code, Py_NewRef((PyObject *)code));
@@ -407,10 +416,10 @@ frames_site(PyObject *self, PyObject *arg)
 static PyObject *
 frames_configure(PyObject *self, PyObject *args)
 {
-    PyObject *tcode, *prefix, *sites_, *text, *slots;
+    PyObject *tcode, *prefix, *sites_, *text, *slots, *efile = NULL;
     int depth;
-    if (!PyArg_ParseTuple(args, "OUO!OO!i", &tcode, &prefix, &PyDict_Type, &sites_,
-                          &text, &PyDict_Type, &slots, &depth)) {
+    if (!PyArg_ParseTuple(args, "OUO!OO!i|U", &tcode, &prefix, &PyDict_Type, &sites_,
+                          &text, &PyDict_Type, &slots, &depth, &efile)) {
         return NULL;
     }
     if (!PyCode_Check(tcode) || !PyCallable_Check(text)) {
@@ -423,6 +432,7 @@ frames_configure(PyObject *self, PyObject *args)
     owner_cache_version = 0;
     Py_XSETREF(trampoline_code, Py_NewRef(tcode));
     Py_XSETREF(hooks_prefix, Py_NewRef(prefix));
+    Py_XSETREF(engine_file, efile != NULL ? Py_NewRef(efile) : NULL);
     Py_XSETREF(sites, Py_NewRef(sites_));
     Py_XSETREF(site_text, Py_NewRef(text));
     Py_XSETREF(owner_slots, Py_NewRef(slots));
@@ -432,7 +442,8 @@ frames_configure(PyObject *self, PyObject *args)
 
 static PyMethodDef frames_methods[] = {
     {"configure", frames_configure, METH_VARARGS,
-     "configure(trampoline_code, hooks_dir, sites, site_text, owner_slots, owner_depth)"},
+     "configure(trampoline_code, hooks_dir, sites, site_text, owner_slots, owner_depth"
+     "[, engine_file])"},
     {"context", (PyCFunction)(void (*)(void))frames_context, METH_FASTCALL,
      "context(depth, owner_ctx) -> (site, owner) of the engine frame at or above the "
      "frame depth levels up, or None when the stack is shallower"},

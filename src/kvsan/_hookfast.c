@@ -498,7 +498,7 @@ context(PyObject *rt, PyObject **site, PyObject **owner)
     if (got != 0) {
         return got < 0 ? -1 : 0;
     }
-    /* no Python frame at all: as kvsan.hooks.vllm_allocator._context */
+    /* no Python frame at all: as kvsan.hooks.vllm.allocator._context */
     *owner = PyObject_CallMethodNoArgs(rt, s_current_owner);
     if (*owner == NULL) {
         return -1;
@@ -717,7 +717,7 @@ arg(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, Py_ssize_t pos,
 /* the observer of a cache hook after vLLM's method ran (``rt``: the running
  * kvsan, borrowed); NULL with an exception when it raised */
 /* The identity audit's producer record for a known text-only request, as
- * its Python observer makes it (kvsan.hooks.vllm_identity._cached) without
+ * its Python observer makes it (kvsan.hooks.vllm.identity._cached) without
  * a Python frame.  ``h->identity`` is set by that observer once it handled
  * a call: (weak ref to the runtime, weak ref to the pool, the producer
  * records, chains dict, hash block size, [weights digest], known_chain,
@@ -890,7 +890,7 @@ listed(PyObject *managers, PyObject *rid)
 static PyObject *end_value = NULL;
 
 /* K_END: ``Scheduler._free_request(request, ...)``, after vLLM's method ran:
- * the request's end as kvsan.hooks.vllm_allocator._request_ended checks it,
+ * the request's end as kvsan.hooks.vllm.allocator._request_ended checks it,
  * for the clean case -- the scheduler no longer tracks the request (no
  * delayed free), no delayed free of its own is pending, the request holds
  * nothing in the shadow table and no manager's block table still lists it
@@ -983,7 +983,7 @@ out:
 
 /* K_PREEMPT: ``Scheduler._preempt_request(request, timestamp, ...)``,
  * after vLLM's method ran: the preempted request must hold nothing until
- * it resumes, as kvsan.hooks.vllm_allocator._preempted checks it.  The
+ * it resumes, as kvsan.hooks.vllm.allocator._preempted checks it.  The
  * clean case -- no delayed free of its own pending, nothing held in the
  * shadow table, no manager's block table listing it -- is counted here
  * (the checker's ``preempted`` counter, as
@@ -1019,7 +1019,7 @@ out:
  * after vLLM's method ran: every request it finished (its result, a list
  * of Requests) went through ``_free_request`` (filed in the checker's
  * recent ends) or has its delayed free pending, as
- * kvsan.hooks.vllm_allocator._finished checks it; anything else -- an
+ * kvsan.hooks.vllm.allocator._finished checks it; anything else -- an
  * abort path that skipped the release -- goes to ``post(scheduler,
  * result)``.  1 clean, 0 not. */
 static int
@@ -1110,7 +1110,7 @@ ended_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
 
 /* K_HITS: ``KVCacheCoordinator.allocate_new_computed_blocks(request_id,
  * new_computed_blocks, ...)``, before vLLM's method runs: the identity
- * audit's hit check (kvsan.hooks.vllm_identity._check_hits) for a request
+ * audit's hit check (kvsan.hooks.vllm.identity._check_hits) for a request
  * whose chain is known or that known_chain can start, when nothing
  * mismatches.  ``h->identity`` is set by the Python hook once it handled a
  * call: (weak ref to the runtime, weak ref to the pool, producer records, chains,
@@ -1222,7 +1222,7 @@ drop_candidates(PyObject **cand, Py_ssize_t m, PyObject *blocks)
  * its attention window has passed a block.  What it removes from a request
  * of group 0 (the group the worker view follows) goes to the step journal's
  * ``dropped`` as (request id, block ids), as the Python hook
- * (kvsan.hooks.vllm_allocator._remove_blocks_in_range) files it: the
+ * (kvsan.hooks.vllm.allocator._remove_blocks_in_range) files it: the
  * candidates are read as vLLM finds them, backward from ``last`` to the
  * first null block, and those no longer in the table after the call were
  * removed.  Most calls remove nothing (the range's last block is already
@@ -1339,7 +1339,7 @@ skip_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject 
     return ret;
 }
 
-/* ---- the worker side (kvsan.hooks.vllm_worker): the V1 runner's step ---- */
+/* ---- the worker side (kvsan.hooks.vllm.worker): the V1 runner's step ---- */
 
 /* the truth of ``obj.name`` (a missing attribute counts as false where
  * ``optional``, as getattr(obj, name, None) does): 1, 0, -1 error */
@@ -1384,7 +1384,7 @@ last_checker(PyObject *last, PyObject *runner)
     return dc;
 }
 
-/* ---- the scheduler's step (kvsan.hooks.vllm_allocator._schedule) ---- */
+/* ---- the scheduler's step (kvsan.hooks.vllm.allocator._schedule) ---- */
 
 /* a new dict: the pool's step journal's lists taken (ck.journal.take()) and the
  * step, in take()'s order, the journal left with new empty lists; NULL
@@ -1594,7 +1594,7 @@ update_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObjec
     return ret;
 }
 
-/* A quiet step begun as kvsan.hooks.vllm_worker.begin_step begins it: the
+/* A quiet step begun as kvsan.hooks.vllm.worker.begin_step begins it: the
  * scheduler's output hands the worker view nothing to apply but blocks it
  * cached (no request finished, preempted, new or resumed, no new block, no
  * copy, nothing uncached or dropped, nothing to poison) and no prefix hit
@@ -2492,9 +2492,9 @@ static PyGetSetDef hook_getset[] = {
      NULL},
     {"state", (getter)hook_get_state, (setter)hook_set_state,
      "END, PREEMPT, FINISH: the request-end checks' state in C (see "
-     "kvsan.hooks.vllm_allocator._hand_ends_to_native); STEP, GUARD: the "
-     "worker's (see kvsan.hooks.vllm_worker._hand_to_native); SCHED, UPDATE: the scheduler's "
-     "(see kvsan.hooks.vllm_allocator._hand_schedule_to_native); or None", NULL},
+     "kvsan.hooks.vllm.allocator._hand_ends_to_native); STEP, GUARD: the "
+     "worker's (see kvsan.hooks.vllm.worker._hand_to_native); SCHED, UPDATE: the scheduler's "
+     "(see kvsan.hooks.vllm.allocator._hand_schedule_to_native); or None", NULL},
     {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };

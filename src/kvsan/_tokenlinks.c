@@ -539,7 +539,7 @@ error: /* all or nothing: the three chains cut back to where they were */
  * request without a chain yet and no ``make``, a new Request object under a
  * known id, multimodal input or prompt embeddings, tokens not in a list).
  * ``chains``: request id -> its RequestIdentity (a weak reference to the
- * Request), as kvsan.hooks.vllm_identity keeps them; the same steps as its
+ * Request), as kvsan.hooks.vllm.identity keeps them; the same steps as its
  * ``_chain`` for a known text-only request, without a Python frame.
  *
  * ``make``: (RequestIdentity, static digests, callback) to start the chain
@@ -742,7 +742,7 @@ done:
 }
 
 /* reap(chains, chain): a chain's callback (it is a weak reference to its
- * Request), as kvsan.hooks.vllm_identity._reap (a Python frame per request
+ * Request), as kvsan.hooks.vllm.identity._reap (a Python frame per request
  * end): its Request went, so its entry goes, unless a newer Request under
  * the same id replaced it.  Bound to the chains dict with functools.partial. */
 static PyObject *

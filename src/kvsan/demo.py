@@ -49,7 +49,7 @@ def _traffic_stats(stdout: str) -> dict:
 
 
 def main(args) -> int:
-    from .faults import EXPECTED
+    from .hooks.vllm.faults import EXPECTED
     from .tinymodel import ensure_tiny_model
 
     model = args.model or ensure_tiny_model()

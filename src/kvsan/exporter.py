@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import re
 import sys
 
 ENGINE_OFFSET = 1
@@ -38,29 +37,6 @@ API_SERVER_OFFSET = 50
 
 _started: dict[int, int] = {}  # pid -> port
 _dead_marked: set[int] = set()
-
-
-def process_rank(name: str | None = None) -> int:
-    """The DP rank of an EngineCore (``EngineCore_DP3``) or the rank of a
-    worker (``VllmWorker-2``) from its multiprocessing name; 0 if none."""
-    if name is None:
-        import multiprocessing
-
-        name = multiprocessing.current_process().name
-    m = re.search(r"(\d+)$", name or "")
-    return int(m.group(1)) if m else 0
-
-
-def api_server_index(name: str | None = None) -> int | None:
-    """N of an API server process ``ApiServer_N`` (vLLM starts several when
-    ``api_server_count`` > 1, the default with data parallelism; the
-    process that launched them stays ``MainProcess``); None otherwise."""
-    if name is None:
-        import multiprocessing
-
-        name = multiprocessing.current_process().name
-    m = re.fullmatch(r"ApiServer_(\d+)", name or "")
-    return int(m.group(1)) if m else None
 
 
 def port_for(base: int, role: str, rank: int = 0, engine: int = 0,
@@ -203,10 +179,10 @@ def start(rt) -> int | None:
         return None
     if pid in _started:
         return _started[pid]
-    # (the runtime's identity: the same process names :func:`process_rank`
-    # reads, the EngineCore's DP index and the worker's rank)
+    # (the runtime's identity: the EngineCore's DP index, the worker's rank,
+    # the API server's index)
     port = port_for(base, rt.role, rt.engine if rt.role == "engine" else rt.rank, rt.engine,
-                    api_server_index() if rt.role == "frontend" else None)
+                    rt.api_server)
     addr = os.environ.get("KVSAN_METRICS_ADDR", "").strip() or "0.0.0.0"
     try:
         from prometheus_client import REGISTRY, start_http_server

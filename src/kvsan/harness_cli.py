@@ -7,7 +7,7 @@ from __future__ import annotations
 def _common(p) -> None:
     p.add_argument("--model", help="model directory (default: the generated tiny Llama)")
     p.add_argument("--inject", help="run with one of kvsan's built-in faults "
-                                    "(see kvsan.faults.FAULTS)")
+                                    "(see kvsan.hooks.vllm.faults.FAULTS)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", help="engine dtype (default float32; e.g. bfloat16 on a GPU)")
     p.add_argument("--tol", type=float, default=None,

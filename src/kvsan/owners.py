@@ -5,7 +5,7 @@ shadow table, vLLM's block pool and the scheduler's request states are read
 at one consistent moment:
 
 * kvsan's general plugin adds a utility method ``EngineCore.kvsan_owners``
-  in the EngineCore process (:mod:`kvsan.hooks.vllm_owners`, which reads
+  in the EngineCore process (:mod:`kvsan.hooks.vllm.owners`, which reads
   vLLM's scheduler for the engine-agnostic :func:`snapshot` here).  vLLM's EngineCore runs utility calls from its
   own busy loop, in its main thread, between steps.
 * kvsan's endpoint plugin (entry point group ``vllm.endpoint_plugins``,
@@ -178,7 +178,7 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
 
 # ------------------------------------------------- front-end side (vLLM)
 #: the EngineCore utility method that takes the snapshot between two steps
-#: (added by :mod:`kvsan.hooks.vllm_owners`)
+#: (added by :mod:`kvsan.hooks.vllm.owners`)
 UTILITY = "kvsan_owners"
 
 

@@ -120,9 +120,9 @@ def _make_logger():
 def _announce_end() -> None:
     """Before an abort ends this process, tell the engine's other processes
     (vLLM's front end would otherwise wait forever for this EngineCore's
-    next output: :mod:`kvsan.hooks.vllm_engine`).  Never stops the abort."""
+    next output: :mod:`kvsan.hooks.vllm.engine`).  Never stops the abort."""
     try:
-        from .hooks.vllm_engine import announce_end
+        from .hooks.vllm.engine import announce_end
 
         announce_end()
     except BaseException:  # noqa: BLE001 - the process ends either way

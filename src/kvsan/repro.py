@@ -343,7 +343,7 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     if args.inject:
-        from .faults import FAULTS
+        from .hooks.vllm.faults import FAULTS
 
         if args.inject not in FAULTS:
             print(f"kvsan repro: --inject {args.inject!r} is not a built-in fault; accepted: "

@@ -12,44 +12,36 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.util
 import os
-import re
 import weakref
 
 from .config import Config
 from .report import Reporter
 
 
+#: how the engine names its processes (the adapter's ``role()``,
+#: ``identity(role)`` and ``api_server()``; :func:`set_process_names`):
+#: None outside an engine, where every process is a front end
+_names = None
+
+
+def set_process_names(names) -> None:
+    """Tell kvsan how the engine names its processes (the engine adapter,
+    before the first runtime is made)."""
+    global _names
+    _names = names
+
+
 def detect_role() -> str:
-    """``engine``, ``worker`` or ``frontend`` from the process vLLM made."""
-    name = multiprocessing.current_process().name
-    if name.startswith("VllmWorker") or name.startswith("Worker"):
-        return "worker"
-    if name.startswith("EngineCore"):
-        return "engine"
-    return "frontend"
-
-
-def _trailing(pattern: str, name: str | None) -> int | None:
-    m = re.fullmatch(pattern, name or "")
-    return int(m.group(1)) if m else None
+    """``engine``, ``worker`` or ``frontend``, from the process's name."""
+    return _names.role() if _names is not None else "frontend"
 
 
 def detect_identity(role: str) -> tuple[int, int]:
-    """``(engine, rank)`` of this process, from the names vLLM gives the
-    processes it starts: an EngineCore of data-parallel engine N is
-    ``EngineCore_DPN`` (plain ``EngineCore`` without DP); a worker is
-    ``VllmWorker-R`` (R its rank in its engine's executor: TP x PP) and
-    its parent is its engine's EngineCore.  0 where a name carries none
-    (the front end, an in-process engine).  A worker whose runner kvsan
-    hooks confirms both from vLLM's parallel state (:func:`set_identity`)."""
-    me = multiprocessing.current_process().name
-    if role == "engine":
-        return _trailing(r"EngineCore_DP(\d+)", me) or 0, 0
-    if role == "worker":
-        parent = multiprocessing.parent_process()
-        engine = _trailing(r"EngineCore_DP(\d+)", parent.name if parent else None) or 0
-        return engine, _trailing(r"(?:VllmWorker-|Worker_TP)(\d+)", me) or 0
-    return 0, 0
+    """``(engine, rank)`` of this process, from its name and its parent's:
+    0 where a name carries none (the front end, an in-process engine).  A
+    worker whose runner kvsan hooks confirms both from the engine's
+    parallel state (:func:`set_identity`)."""
+    return _names.identity(role) if _names is not None else (0, 0)
 
 
 def set_identity(rt: "Runtime", engine: int, rank: int) -> None:
@@ -79,6 +71,10 @@ class Runtime:
         #: engine (0 for an EngineCore and the front end): with ``role``,
         #: on every record and metric
         self.engine, self.rank = detect_identity(self.role)
+        #: N of a front end that is one API server of several, else None
+        #: (its exporter port: :func:`kvsan.exporter.port_for`)
+        self.api_server = (_names.api_server() if _names is not None and self.role == "frontend"
+                           else None)
         self.metrics = None
         if metrics:
             try:

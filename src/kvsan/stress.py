@@ -333,7 +333,7 @@ def main(args) -> int:
 
     model = args.model or ensure_tiny_model()
     if args.inject:
-        from .faults import FAULTS
+        from .hooks.vllm.faults import FAULTS
 
         if args.inject not in FAULTS:
             print(f"kvsan stress: --inject {args.inject!r} is not a built-in fault; accepted: "

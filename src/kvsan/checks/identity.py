@@ -63,7 +63,7 @@ _extend_text = None
 #: looked up and extended in one call) when in use, else None
 known_chain = None
 #: ``kvsan._tokenlinks.reap`` (a chain's callback when its request goes, as
-#: ``kvsan.hooks.vllm_identity._reap``) when in use, else None
+#: ``kvsan.hooks.vllm.identity._reap``) when in use, else None
 reap = None
 #: what a new chain keeps its token links in: ``kvsan._tokenlinks.Links``
 #: (64-bit ints in one array) when in use, else ``list``

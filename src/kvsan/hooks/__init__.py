@@ -111,13 +111,20 @@ def _trampoline(original, wrapper):
 TRAMPOLINE_CODE = _trampoline(lambda self: None, None).__code__
 #: hook frames live in this directory (call-site lookups skip them too)
 HOOKS_DIR = __file__.rsplit("/", 1)[0] + "/"
+#: but for the built-in faults (``KVSAN_INJECT``): they stand in for engine
+#: bugs, so their frames are the engine's (a report names the fault's site)
+ENGINE_FILE = HOOKS_DIR + "vllm/faults.py"
+
+
+def _is_kvsan_code(code) -> bool:
+    return code is TRAMPOLINE_CODE or (code.co_filename.startswith(HOOKS_DIR)
+                                       and code.co_filename != ENGINE_FILE)
 
 
 def engine_frame(frame):
     """The innermost frame at or above ``frame`` that is not kvsan's patching
     (trampolines and hook functions, possibly several hooks on one method)."""
-    while frame is not None and (frame.f_code is TRAMPOLINE_CODE
-                                 or frame.f_code.co_filename.startswith(HOOKS_DIR)):
+    while frame is not None and _is_kvsan_code(frame.f_code):
         frame = frame.f_back
     return frame
 
@@ -279,14 +286,15 @@ def use_native(on: bool = True) -> bool:
         HOOKFAST.enable(False)
         HOOKFAST = None
     checks = identity.use_native(on) & native.use_devicefast(on)  # both, always
-    adapter = sys.modules.get("kvsan.hooks.vllm_identity")
+    adapter = sys.modules.get("kvsan.hooks.vllm.identity")
     if adapter is not None:  # (imported before: its chains' reaper follows the switch)
         adapter._refresh_make()
     if not on:
         return False
     frames = native.load("_frames", 1)
     if frames is not None:
-        frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH)
+        frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH,
+                         ENGINE_FILE)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", 11)
     hookfast = native.load("_hookfast", HOOKFAST_ABI)

@@ -95,7 +95,7 @@ def _scribble_sealed(wrapped, instance, args, kwargs):
                 first = next(iter(caches.values())) if isinstance(caches, dict) else caches[0]
                 group_kernel_blocks(first, instance.kv_cache_config.num_blocks)[blocks[i]] += 1.0
                 _scribbled.append((blocks[i], rid))
-                from . import runtime as _rt
+                from ... import runtime as _rt
 
                 rt = _rt.get()
                 if rt is not None:
@@ -159,8 +159,8 @@ def _request_id(args, kwargs) -> str | None:
     req = args[0] if args else kwargs.get("request")
     rid = getattr(req, "request_id", None)
     if rid is None:  # a pool primitive: the request kvsan's hooks attribute it to
-        from . import runtime as _rt
-        from .hooks import owner_here
+        from ... import runtime as _rt
+        from .. import owner_here
 
         rt = _rt.get()
         rid = owner_here(rt) if rt is not None else None

@@ -24,9 +24,9 @@ import weakref
 
 import wrapt
 
-from .. import runtime as _rt
-from . import guard as _guard
-from .contract import Contract
+from ... import runtime as _rt
+from .. import guard as _guard
+from ..contract import Contract
 
 OWNER = "pin:kvsan-quarantine"
 _held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {block: release step}

@@ -55,10 +55,10 @@ from array import array
 import numpy as np
 import torch
 
-from ..checks import native
-from ..checks.device import NOT_FED
-from ..checks.identity import token_link
-from .contract import Contract
+from ...checks import native
+from ...checks.device import NOT_FED
+from ...checks.identity import token_link
+from ..contract import Contract
 
 
 def install(dc, runner, connector: bool) -> bool:

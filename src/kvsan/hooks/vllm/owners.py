@@ -14,10 +14,10 @@ import os
 import sys
 from typing import Any
 
-from .. import runtime as _rt
-from ..owners import SCHEMA, UTILITY, snapshot
-from .contract import Contract
-from .vllm_allocator import _scheduler_checker
+from ... import runtime as _rt
+from ...owners import SCHEMA, UTILITY, snapshot
+from ..contract import Contract
+from .allocator import _scheduler_checker
 
 
 def scheduler_snapshot(rt, scheduler) -> dict[str, Any]:

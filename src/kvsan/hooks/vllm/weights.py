@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import weakref
 
-from .. import runtime as _rt
-from ..checks.weights import WeightsEpoch, fingerprint
-from . import Target, guard_failed, instrument, uninstrument
-from .contract import Contract
-from . import vllm_identity as _identity
+from ... import runtime as _rt
+from ...checks.weights import WeightsEpoch, fingerprint
+from .. import Target, guard_failed, instrument, uninstrument
+from ..contract import Contract
+from . import identity as _identity
 
 #: RPC method names that update weights in vLLM and its usual trainers: an
 #: epoch starts on them where no fingerprint can be taken

@@ -6,7 +6,7 @@ hands a request its prefix hits (called only for a request that has hits,
 not once per request per step as ``allocate_slots`` is; the Request itself
 is read from the calling ``allocate_slots`` frame).  What vLLM's block hash
 may leave out is tracked here from the truth: the weights epoch (moved by
-:mod:`kvsan.hooks.vllm_weights` when the weights' fingerprint moves) and a
+:mod:`kvsan.hooks.vllm.weights` when the weights' fingerprint moves) and a
 LoRA adapter's identity from its files (:func:`_lora_identity`).
 Everything is read from the Request, never from vLLM's extra keys.
 """
@@ -18,14 +18,14 @@ import sys
 import weakref
 from time import perf_counter as _perf_counter
 
-from .. import hooks as _hooks
-from .. import runtime as _rt
-from ..checks import identity as _identity
-from ..checks.identity import IdentityAudit, RequestIdentity, digest, text
-from . import Target, bind_args, guard_failed, instrument, request_on_stack, uninstrument
-from . import vllm_allocator as _allocator
-from .contract import Contract
-from .vllm_allocator import CACHE_FULL_BLOCKS_ARGS
+from ... import hooks as _hooks
+from ... import runtime as _rt
+from ...checks import identity as _identity
+from ...checks.identity import IdentityAudit, RequestIdentity, digest, text
+from .. import Target, bind_args, guard_failed, instrument, request_on_stack, uninstrument
+from . import allocator as _allocator
+from ..contract import Contract
+from .allocator import CACHE_FULL_BLOCKS_ARGS
 
 _state = {"weights_epoch": 0, "model": None}
 _lora_epochs: dict[str, int] = {}

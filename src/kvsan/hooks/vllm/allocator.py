@@ -19,13 +19,13 @@ from array import array
 from time import monotonic as _monotonic
 from time import perf_counter as _perf_counter
 
-from .. import hooks as _hooks
-from .. import runtime as _rt
-from ..checks import AllocatorChecker
-from ..journal import StepJournal
-from . import Target, bind_args, call_context, call_site, guard_failed
-from . import guard as _guard
-from .contract import Contract
+from ... import hooks as _hooks
+from ... import runtime as _rt
+from ...checks import AllocatorChecker
+from ...journal import StepJournal
+from .. import Target, bind_args, call_context, call_site, guard_failed
+from .. import guard as _guard
+from ..contract import Contract
 
 SUPPORTED = ("0.32",)
 _BP = "vllm.v1.core.block_pool"
@@ -498,7 +498,7 @@ def audit_scheduler(rt, sched, site="kvsan.audit") -> int:
     found = ck.audit(refs, linked, set(sched.requests), site,
                      free_count if type(free_count) is int else None)
     if rt.metrics is not None:
-        from ..owners import orphan_blocks
+        from ...owners import orphan_blocks
 
         rt.metrics.orphans.set(len(orphan_blocks(ck.shadow, refs, linked)))
     return found
@@ -693,7 +693,7 @@ _CORE = "vllm.v1.engine.core"
 
 def shutdown_targets() -> list[Target]:
     """Patched when (if) this process imports the EngineCore (see
-    :func:`kvsan.plugin._install_when_imported`): the EngineCore process,
+    :func:`kvsan.hooks.vllm._install_when_imported`): the EngineCore process,
     or a front end running the engine in-process."""
     return [Target(_CORE, "EngineCore.shutdown", _engine_shutdown, True)]
 

@@ -30,13 +30,14 @@ import operator
 import weakref
 from time import perf_counter as _perf_counter
 
-from .. import hooks as _hooks
-from .. import runtime as _rt
-from ..checks import native
-from ..checks.device import DeviceChecker
-from . import Target, guard_failed, vllm_inputs
-from . import guard as _guard
-from .contract import Contract
+from ... import hooks as _hooks
+from ... import runtime as _rt
+from ...checks import native
+from ...checks.device import DeviceChecker
+from .. import Target, guard_failed
+from . import inputs as vllm_inputs
+from .. import guard as _guard
+from ..contract import Contract
 
 _V1 = "vllm.v1.worker.gpu_model_runner"
 _V2 = "vllm.v1.worker.gpu.model_runner"

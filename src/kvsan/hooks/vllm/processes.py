@@ -1,0 +1,52 @@
+"""Which of vLLM's processes this is, from the names vLLM gives them.
+
+vLLM names the processes it starts with ``multiprocessing``: an EngineCore
+is ``EngineCore`` (``EngineCore_DPN`` for data-parallel engine N), a
+worker ``VllmWorker-R`` (R its rank in its engine's executor: TP x PP; its
+parent is its engine's EngineCore), an API server of several
+``ApiServer_N``.  kvsan labels every record and metric with the role,
+engine and rank read here (:func:`kvsan.runtime.set_process_names`); a
+worker whose runner kvsan hooks confirms them from vLLM's parallel state.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+
+
+def _trailing(pattern: str, name: str | None) -> int | None:
+    m = re.fullmatch(pattern, name or "")
+    return int(m.group(1)) if m else None
+
+
+def role() -> str:
+    """``engine``, ``worker`` or ``frontend``."""
+    name = multiprocessing.current_process().name
+    if name.startswith("VllmWorker") or name.startswith("Worker"):
+        return "worker"
+    if name.startswith("EngineCore"):
+        return "engine"
+    return "frontend"
+
+
+def identity(role: str) -> tuple[int, int]:
+    """``(engine, rank)``: 0 where a name carries none (the front end, an
+    in-process engine)."""
+    me = multiprocessing.current_process().name
+    if role == "engine":
+        return _trailing(r"EngineCore_DP(\d+)", me) or 0, 0
+    if role == "worker":
+        parent = multiprocessing.parent_process()
+        engine = _trailing(r"EngineCore_DP(\d+)", parent.name if parent else None) or 0
+        return engine, _trailing(r"(?:VllmWorker-|Worker_TP)(\d+)", me) or 0
+    return 0, 0
+
+
+def api_server(name: str | None = None) -> int | None:
+    """N of an API server process ``ApiServer_N`` (vLLM starts several when
+    ``api_server_count`` > 1, the default with data parallelism; the
+    process that launched them stays ``MainProcess``); None otherwise."""
+    if name is None:
+        name = multiprocessing.current_process().name
+    return _trailing(r"ApiServer_(\d+)", name)
