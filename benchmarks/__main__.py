@@ -66,7 +66,7 @@ def main(argv=None) -> int:
             from . import e2e
 
             if q:
-                from kvsan.tinymodel import ensure_tiny_model
+                from kvsan.harness.tinymodel import ensure_tiny_model
 
                 res = e2e.bench(models={"tiny": ensure_tiny_model()}, rounds=1, groups=1,
                                 per_group=2, absent=False, procs=1, batches=1)

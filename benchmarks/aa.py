@@ -25,7 +25,7 @@ from .common import ENV
 def spread(rounds: int, procs: int) -> dict:
     """``procs`` identical off lanes, ``rounds`` rounds each: the ratios of
     every split into two halves, and each lane against their mean."""
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     from . import e2e, lanes
 

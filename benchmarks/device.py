@@ -73,6 +73,6 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--model")
     a = ap.parse_args()
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     print(markdown(bench(a.model or ensure_tiny_model(), a.rounds)))

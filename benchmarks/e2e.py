@@ -1,4 +1,4 @@
-"""End-to-end benchmark: the same seeded workload (``kvsan.traffic``: groups
+"""End-to-end benchmark: the same seeded workload (``kvsan.harness.traffic``: groups
 sharing a prefix, cancellations, a pool small enough for eviction and
 preemption) on the real engine, kvsan off / default / strict, and vLLM with
 kvsan's plugin not loaded at all (``VLLM_PLUGINS=none``: KVSAN unset must
@@ -39,7 +39,7 @@ from .common import ENV, median, ratio_cell, table
 def ensure_medium_model(seed: int = 0) -> str:
     """A larger random Llama (4 layers, hidden 512: about 8x the tiny
     model's compute) that still fits a small CPU host."""
-    from kvsan.tinymodel import DEFAULT_DIR
+    from kvsan.harness.tinymodel import DEFAULT_DIR
 
     path = os.path.join(os.path.dirname(DEFAULT_DIR), "bench-llama-512x4")
     if os.path.exists(os.path.join(path, "config.json")):
@@ -74,7 +74,9 @@ def serve_lane(model: str, rounds: int, groups: int, per_group: int, seed: int,
 
     from vllm import LLM
 
-    from kvsan import current_runtime, traffic
+    from kvsan import current_runtime
+
+    from kvsan.harness import traffic
 
     from . import lanes
 
@@ -157,7 +159,7 @@ def bench(models=None, rounds: int | None = None, groups: int = 6, per_group: in
     from . import lanes
 
     if models is None:
-        from kvsan.tinymodel import ensure_tiny_model
+        from kvsan.harness.tinymodel import ensure_tiny_model
 
         models = {"tiny (2x256)": ensure_tiny_model(), "medium (4x512)": ensure_medium_model()}
     res = {}

@@ -36,7 +36,7 @@ _MODEL = None
 
 
 def _model_config():
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
     from vllm.config import ModelConfig
 
     return ModelConfig(model=ensure_tiny_model(), skip_tokenizer_init=True,

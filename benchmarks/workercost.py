@@ -118,7 +118,7 @@ def bench(rounds: int = 3, seed: int = 0, model: str | None = None) -> dict:
     from . import e2e, lanes
 
     if model is None:
-        from kvsan.tinymodel import ensure_tiny_model
+        from kvsan.harness.tinymodel import ensure_tiny_model
 
         model = ensure_tiny_model()
     plain = e2e.lane_code(model, rounds, seed=seed)

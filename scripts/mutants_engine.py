@@ -2,7 +2,7 @@
 worker-side block tables (and, with ``--allocator``, of the allocator-side
 methods :mod:`scripts.mutants` covers), each run on one in-process tiny
 engine with kvsan on (``KVSAN=1``, device checks included) through the
-seeded shared-prefix traffic of :mod:`kvsan.traffic` (cancellations,
+seeded shared-prefix traffic of :mod:`kvsan.harness.traffic` (cancellations,
 eviction and preemption in a 24-block pool).  The tokens of every request
 that finished are compared with the same traffic on unchanged vLLM.
 
@@ -56,8 +56,8 @@ SKIPPED = {"GPUModelRunner._prepare_inputs del@2030"}
 def boot():
     from vllm import LLM
 
-    from kvsan import traffic
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness import traffic
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     llm = LLM(**traffic.engine_kwargs(ensure_tiny_model()))
     traffic.run(llm, seed=1, groups=2, per_group=2)  # warm-up
@@ -66,7 +66,8 @@ def boot():
 
 def run(llm):
     """The traffic once, on a fresh prefix cache: outputs and kvsan's kinds."""
-    from kvsan import current_runtime, traffic
+    from kvsan import current_runtime
+    from kvsan.harness import traffic
 
     rt = current_runtime()
     llm.reset_prefix_cache()

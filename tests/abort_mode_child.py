@@ -67,7 +67,9 @@ def next_request(engine, snap: dict) -> None:
 def main(model: str, then_c: bool = False) -> None:
     from vllm import LLM
 
-    from kvsan import owners, traffic
+    from kvsan import owners_from_llm
+
+    from kvsan.harness import traffic
 
     llm = LLM(**traffic.engine_kwargs(model))
     engine = llm.llm_engine
@@ -75,7 +77,7 @@ def main(model: str, then_c: bool = False) -> None:
     step_until_output(engine, "B")
     add(engine, "A", list(range(200, 210)))
     step_until_output(engine, "A")
-    snap = owners.from_llm(llm)[0]
+    snap = owners_from_llm(llm)[0]
     engine.abort_request(["A"])
     if then_c:
         return next_request(engine, snap)

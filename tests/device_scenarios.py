@@ -15,9 +15,11 @@ PREFIX = [(7 * i) % 500 + 1 for i in range(2 * BS)]
 def boot(**cfg):
     from vllm import LLM
 
-    from kvsan import plugin, traffic
+    from kvsan import plugin
+
+    from kvsan.harness import traffic
     from kvsan.config import Config
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     cfg = dict(enabled=True, log_events=False, checksum="all", poison=True, **cfg)
     rt = plugin.install(Config(**cfg), role="engine")
@@ -78,7 +80,7 @@ def quarantine():
     next allocation; clean traffic stays clean."""
     from test_device import add, block_ids, core, step
 
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     rt, eng = boot(quarantine=3)
     res = traffic.run(eng, seed=5, groups=3, per_group=3)
@@ -103,6 +105,6 @@ if __name__ == "__main__":
     result["violations"] = [
         {"kind": v.kind, "blocks": v.blocks, "owners": v.owners, "actor": v.actor,
          "site": v.site} for v in rt.violations()]
-    from kvsan.enginedrive import write_marked
+    from kvsan.harness.enginedrive import write_marked
 
     write_marked("RESULT ", result)  # one write: vLLM's threads share stdout

@@ -11,7 +11,7 @@ kvsan is loaded by ``KVSAN=1`` (the parent sets the ``KVSAN_*`` variables,
 
 1. clean shared-prefix traffic, concurrent, routed by vLLM's load balancer
    over both engines, a few requests cancelled mid-stream;
-2. the owners snapshot of every engine (``kvsan.owners.from_client``) and
+2. the owners snapshot of every engine (``kvsan.hooks.vllm.owners.from_client``) and
    a scrape of each engine's and worker's exporter;
 3. one fault-marked request pinned to engine 1 (``data_parallel_rank=1``)
    and cancelled mid-stream: the injected fault leaks its blocks there;
@@ -78,7 +78,8 @@ async def main(model: str, http_port: int) -> dict:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from kvsan import owners, traffic
+    from kvsan.harness import traffic
+    from kvsan.hooks.vllm import owners
 
     out: dict = {}
     t0 = time.monotonic()

@@ -11,7 +11,7 @@ the plugin again in a forked child.
 Modes (the parent sets the ``KVSAN_*`` variables):
 
 * ``touch`` (``KVSAN_INJECT=touch_without_ref``, ``KVSAN_INJECT_ONLY=BAD``):
-  clean shared-prefix traffic (:mod:`kvsan.traffic`), then BAD-B (a
+  clean shared-prefix traffic (:mod:`kvsan.harness.traffic`), then BAD-B (a
   two-block prefix) is prefilled, BAD-A hits its prefix without taking a
   reference, BAD-A is cancelled (its free releases two blocks BAD-B still
   reads), and a new request C is prefilled.  B's block ids are read in the
@@ -57,7 +57,7 @@ def main(model: str, mode: str, tp: int = 1) -> None:
     from vllm import LLM
     from vllm.v1.engine.core import EngineCore
 
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     EngineCore.fork_test_blocks = _blocks_of
     llm = LLM(**traffic.engine_kwargs(model), distributed_executor_backend="mp",

@@ -23,7 +23,7 @@ MARK = "KVSAN_SPEC "
 
 
 def engine_kwargs(model: str) -> dict:
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     kw = traffic.engine_kwargs(model)
     kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
@@ -35,7 +35,7 @@ def clean(model: str) -> None:
     """The clean traffic in vLLM's default multi-process mode."""
     from vllm import LLM
 
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     llm = LLM(**engine_kwargs(model))
     res = traffic.run(llm, seed=0, groups=6, per_group=5)
@@ -48,7 +48,9 @@ def main(model: str) -> None:
     from vllm import LLM
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from kvsan import current_runtime, traffic
+    from kvsan import current_runtime
+
+    from kvsan.harness import traffic
     from kvsan.hooks.vllm import worker as vllm_worker
 
     seen = {"draft_steps": 0, "draft_tokens": 0, "rewritten": 0}

@@ -12,9 +12,9 @@ import sys
 import pytest
 
 from kvsan.config import ABORT_EXIT_CODE
-from kvsan.enginedrive import read_marked
+from kvsan.harness.enginedrive import read_marked
 from kvsan.reportfile import read_records, violations
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -165,7 +165,7 @@ def test_aa_spread(monkeypatch):
     their mean (lanes stubbed: one of four 20% slower)."""
     from benchmarks import aa, lanes
 
-    monkeypatch.setattr("kvsan.tinymodel.ensure_tiny_model", lambda: "tiny")
+    monkeypatch.setattr("kvsan.harness.tinymodel.ensure_tiny_model", lambda: "tiny")
     monkeypatch.setattr(lanes, "run", lambda spec: {
         lane: {"steps": [{"ns": int(1e6 * (1.2 if lane == "off#3" else 1.0)), "round": 0}]}
         for lane in spec})

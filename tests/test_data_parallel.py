@@ -26,7 +26,7 @@ FAULT_MARK = "kvsan-fault-"
 
 @pytest.fixture(scope="module")
 def dp_run(tmp_path_factory):
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     work = tmp_path_factory.mktemp("dp")
     report = str(work / "report") + os.sep
@@ -173,7 +173,7 @@ def test_vllm_serve_data_parallel_api_servers_get_their_own_ports(tmp_path):
 
     from test_serve import VLLM_CLI, free_port, http_get, wait_until
 
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     report = str(tmp_path / "report") + os.sep
     base = free_port_block((0, 1, 2, 50, 51, 100, 200))

@@ -21,8 +21,8 @@ def engine(kvsan_rt):
     a small token budget so prefills are chunked."""
     from vllm import LLM
 
-    from kvsan import traffic
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness import traffic
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     strict = Config(enabled=True, log_events=False, checksum="all", poison=True)
     kvsan_rt.config = strict
@@ -96,7 +96,7 @@ PREFIX = [(7 * i) % 500 + 1 for i in range(PREFIX_BLOCKS * BS)]
 
 
 def test_clean_traffic_strictest_settings(eng, rt):
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     res = traffic.run(eng, seed=3, groups=4, per_group=4)
     assert res.finished > 0
@@ -116,7 +116,7 @@ def test_clean_traffic_with_heavy_eviction_strictest_settings(eng, rt):
     the time, and each evicted sealed block is verified before the step
     that rewrites it (and before poison could touch it): legal reuse gives
     no report."""
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     dc = device()
     before = dc.counters["verified_evicted"]
@@ -559,7 +559,7 @@ def test_clean_traffic_has_its_sealed_blocks_checked_for_their_inputs(eng, rt, m
     the blocks sealed with their producer still in the worker view, and
     finds nothing in clean traffic (shared prefixes, cancellations,
     eviction and preemption)."""
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     dc = device()
     assert dc.on_sealed is not None
@@ -591,7 +591,7 @@ def _scenario(name):
     import subprocess
     import sys
 
-    from kvsan.enginedrive import read_marked
+    from kvsan.harness.enginedrive import read_marked
 
     proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__),
                                                         "device_scenarios.py"), name],

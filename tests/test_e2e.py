@@ -11,9 +11,9 @@ import pytest
 
 from kvsan import completeness
 from kvsan.config import ABORT_EXIT_CODE
-from kvsan.demo import run_once
+from kvsan.harness.demo import run_once
 from kvsan.reportfile import read_records, violations
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 
@@ -203,7 +203,7 @@ def test_abort_mode_flushes_report_then_exits(model, tmp_path):
     env = dict(os.environ, KVSAN="1", KVSAN_MODE="abort", KVSAN_LOG="0",
                KVSAN_REPORT=str(tmp_path) + os.sep, KVSAN_INJECT="double_unref_on_abort",
                VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    proc = subprocess.run([sys.executable, "-m", "kvsan.demo", model, "1"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "kvsan.harness.demo", model, "1"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == ABORT_EXIT_CODE, proc.stderr[-2000:]
     found = violations(str(tmp_path))
@@ -214,7 +214,7 @@ def test_traffic_line_read_from_interleaved_output():
     """The demo child's stats line shares its pipe with the EngineCore's
     output: another process's text on either side of it must not lose it
     (seen in CI when an injected fault killed the engine)."""
-    from kvsan.demo import _traffic_stats
+    from kvsan.harness.demo import _traffic_stats
 
     got = _traffic_stats(
         'INFO boot\n(EngineCore pid=7) INFO xKVSAN_TRAFFIC {"engine_error": "EngineDeadError: '

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvsan.enginedrive import read_marked
+from kvsan.harness.enginedrive import read_marked
 from kvsan.reportfile import read_records, report_files, violations
 
 pytestmark = pytest.mark.e2e
@@ -47,7 +47,7 @@ def test_a_bare_os_fork_child_writes_no_report(tmp_path):
 
 
 def run_child(report, mode, tp=1, **env_vars):
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     env = dict(os.environ)
     for var in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_WORKER_MULTIPROC_METHOD",

@@ -22,8 +22,8 @@ def engine(kvsan_rt, tmp_path_factory):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    from kvsan import traffic
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness import traffic
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     store = tmp_path_factory.mktemp("kv_store")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -60,7 +60,7 @@ def test_connector_saves_loads_and_delays_frees_with_zero_violations(engine, rt)
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     llm, store = engine
     sched = sched_of(llm)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from test_tensor_parallel import CHILD, events, only_the_scribble_on_rank_1
 
-from kvsan.demo import _traffic_stats
+from kvsan.harness.demo import _traffic_stats
 from kvsan.reportfile import read_records
 
 pytestmark = pytest.mark.e2e
@@ -22,7 +22,7 @@ def pp_run(tmp_path_factory):
     """One PP=2 engine run: clean shared-prefix traffic, and a scribble into
     a sealed block of stage 1's cache only (``scribble_sealed@rank1``),
     found in the step it is made (``KVSAN_CHECKSUM=all``)."""
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     report = tmp_path_factory.mktemp("pp")
     env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=str(report) + os.sep,

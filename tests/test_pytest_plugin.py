@@ -176,13 +176,13 @@ def test_gate_fails_closed_on_a_real_engine_s_reports(inner, tmp_path):
     worker write to the session's reports) passes it; the same reports
     without the engine's closing records (as if it were killed before its
     idle audit) fail it, by the rule ``kvsan check`` applies."""
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     inner.makepyfile(test_engine=f"""
         import os, subprocess, sys
 
         def test_engine():
-            subprocess.run([sys.executable, "-m", "kvsan.demo", {ensure_tiny_model()!r}, "1"],
+            subprocess.run([sys.executable, "-m", "kvsan.harness.demo", {ensure_tiny_model()!r}, "1"],
                            env=dict(os.environ, KVSAN_LOG="0"), check=True, timeout=600)
     """)
     report = tmp_path / "engine-report"

@@ -166,9 +166,9 @@ def engine_run(tmp_path, quarantine):
     import subprocess
     import sys
 
-    from kvsan.enginedrive import read_marked
+    from kvsan.harness.enginedrive import read_marked
     from kvsan.reportfile import violations
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     env = dict(os.environ, KVSAN="1", KVSAN_MODE="log", KVSAN_LOG="0",
                KVSAN_REPORT=str(tmp_path) + os.sep, KVSAN_INJECT="touch_without_ref",

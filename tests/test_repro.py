@@ -14,9 +14,9 @@ import sys
 
 import pytest
 
-from kvsan import enginedrive as ed
-from kvsan import repro
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness import enginedrive as ed
+from kvsan.harness import repro
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -33,7 +33,7 @@ import pytest
 
 from kvsan import exporter, owners
 from kvsan.reportfile import violations
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

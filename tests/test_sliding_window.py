@@ -16,7 +16,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def sliding_model(tmp_path_factory):
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     path = tmp_path_factory.mktemp("models") / "tiny-sliding"
     shutil.copytree(ensure_tiny_model(), path)
@@ -30,7 +30,7 @@ def test_blocks_a_window_moved_past_are_no_reuse(sliding_model, rt, monkeypatch)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from kvsan import traffic
+    from kvsan.harness import traffic
     from kvsan.hooks.vllm import worker as vllm_worker
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from kvsan.reportfile import read_records, violations
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from kvsan import enginedrive as ed
-from kvsan import stress
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness import enginedrive as ed
+from kvsan.harness import stress
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

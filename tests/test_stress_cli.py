@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from kvsan.tinymodel import ensure_tiny_model
+from kvsan.harness.tinymodel import ensure_tiny_model
 
 pytestmark = pytest.mark.e2e
 

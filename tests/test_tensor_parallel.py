@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvsan.demo import _traffic_stats
+from kvsan.harness.demo import _traffic_stats
 from kvsan.reportfile import read_records, violations
 
 pytestmark = pytest.mark.e2e
@@ -23,7 +23,7 @@ def tp_run(tmp_path_factory):
     Every sealed block is verified every step (``KVSAN_CHECKSUM=all``), so
     the scribble is found in the step it is made, while its request holds
     the block."""
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     report = tmp_path_factory.mktemp("tp")
     env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=str(report) + os.sep,

@@ -26,8 +26,8 @@ RANK = 8
 def engine(kvsan_rt):
     from vllm import LLM
 
-    from kvsan import traffic
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness import traffic
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     kvsan_rt.config = kvsan_rt.reporter.config = Config(enabled=True, log_events=False)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -161,7 +161,7 @@ def write_adapter(path, seed):
     hub, no peft): what vLLM loads from a directory."""
     from safetensors.torch import save_file
 
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     with open(os.path.join(ensure_tiny_model(), "config.json")) as f:
         cfg = json.load(f)

@@ -25,8 +25,8 @@ PREFIX = [(11 * i) % 500 + 1 for i in range(2 * BS)]
 def engine(kvsan_rt):
     from vllm import LLM
 
-    from kvsan import traffic
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness import traffic
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     kvsan_rt.config = kvsan_rt.reporter.config = Config(enabled=True, log_events=False)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -113,7 +113,7 @@ def _python_hooks_only(monkeypatch):
 
 def _seeded_run(llm, rt) -> dict:
     """The same traffic from the same start: what the device checker did."""
-    from kvsan import traffic
+    from kvsan.harness import traffic
     from kvsan.hooks import flush_overhead
 
     assert llm.reset_prefix_cache()
@@ -447,7 +447,7 @@ def test_clean_traffic_with_heavy_eviction_is_clean(eng, rt):
     reused (LIFO off the free queue) all the time and requests end while
     others keep their prefixes; every evicted sealed block is verified
     before its reuse and the unheld ones are scrubbed, with no report."""
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     dc = device()
     before = dict(dc.counters)

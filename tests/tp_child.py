@@ -2,10 +2,10 @@
 with ``tensor_parallel_size=2`` on the CPU build (front end, EngineCore and
 two worker processes), kvsan loaded by ``KVSAN=1`` (the parent sets the
 ``KVSAN_*`` variables and ``VLLM_CPU_OMP_THREADS_BIND``), the shared-prefix
-traffic with cancellations of :mod:`kvsan.traffic` under a tiny pool.
+traffic with cancellations of :mod:`kvsan.harness.traffic` under a tiny pool.
 With ``pp`` after the model, ``pipeline_parallel_size=2`` (TP=1) instead
 (``tests/test_pipeline_parallel.py``): each stage one layer of the tiny model.
-Prints one ``KVSAN_TRAFFIC {json}`` line (:func:`kvsan.demo._traffic_stats`).
+Prints one ``KVSAN_TRAFFIC {json}`` line (:func:`kvsan.harness.demo._traffic_stats`).
 
     KVSAN=1 KVSAN_REPORT=dir/ VLLM_CPU_OMP_THREADS_BIND='0|1' \\
         python tests/tp_child.py MODEL [pp]
@@ -13,9 +13,9 @@ Prints one ``KVSAN_TRAFFIC {json}`` line (:func:`kvsan.demo._traffic_stats`).
 
 import sys
 
-from kvsan import traffic
-from kvsan.demo import TRAFFIC_MARK
-from kvsan.enginedrive import write_marked
+from kvsan.harness import traffic
+from kvsan.harness.demo import TRAFFIC_MARK
+from kvsan.harness.enginedrive import write_marked
 
 if __name__ == "__main__":  # the CPU build spawns its processes
     from vllm import LLM

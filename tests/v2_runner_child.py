@@ -60,9 +60,11 @@ def shim_triton_cpu() -> None:
 def boot(num_blocks=24, **kw):
     from vllm import LLM
 
-    from kvsan import plugin, traffic
+    from kvsan import plugin
+
+    from kvsan.harness import traffic
     from kvsan.config import Config
-    from kvsan.tinymodel import ensure_tiny_model
+    from kvsan.harness.tinymodel import ensure_tiny_model
 
     cfg = Config(enabled=True, log_events=False, checksum="all", poison=True)
     rt = plugin.install(cfg, role="engine")
@@ -97,7 +99,7 @@ def facts(rt, llm) -> dict:
 
 
 def clean() -> dict:
-    from kvsan import traffic
+    from kvsan.harness import traffic
 
     rt, llm = boot()
     res = traffic.run(llm, seed=3)

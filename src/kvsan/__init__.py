@@ -18,6 +18,14 @@ def current_runtime():
     return _rt.get()
 
 
+def owners_from_llm(llm) -> list:
+    """``kvsan owners`` from a ``vllm.LLM``: one snapshot of who holds the
+    KV blocks, taken inside its EngineCore between two steps."""
+    from .hooks.vllm.owners import from_llm
+
+    return from_llm(llm)
+
+
 __all__ = [
     "ABORT_EXIT_CODE",
     "ALL_KINDS",
@@ -26,5 +34,6 @@ __all__ = [
     "KVSanViolation",
     "Violation",
     "current_runtime",
+    "owners_from_llm",
     "__version__",
 ]

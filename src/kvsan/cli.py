@@ -36,7 +36,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import main as demo_main
+    from .harness.demo import main as demo_main
 
     return demo_main(args)
 
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     o.add_argument("--timeout", type=float, default=30.0)
     o.add_argument("--fail-on-orphans", action="store_true", help="exit 1 if any orphan block")
     o.set_defaults(func=cmd_owners)
-    from .harness_cli import add_commands  # repro, stress
+    from .harness.cli import add_commands  # repro, stress
 
     add_commands(sub)
     args = p.parse_args(argv)

@@ -8,14 +8,15 @@ at one consistent moment:
   in the EngineCore process (:mod:`kvsan.hooks.vllm.owners`, which reads
   vLLM's scheduler for the engine-agnostic :func:`snapshot` here).  vLLM's EngineCore runs utility calls from its
   own busy loop, in its main thread, between steps.
-* kvsan's endpoint plugin (entry point group ``vllm.endpoint_plugins``,
+* kvsan's endpoint plugin (:mod:`kvsan.hooks.vllm.owners`, entry point
+  group ``vllm.endpoint_plugins``,
   loaded only when the operator allowlists it: ``VLLM_PLUGINS=kvsan``, as
   vLLM requires for every plugin that adds HTTP routes) serves
   ``GET /kvsan/owners`` on the server's own port and makes that utility call
   on every engine (``call_utility_all_async``).
 * ``kvsan owners http://host:port`` fetches and prints it.
 
-In-process (``vllm.LLM``), :func:`from_llm` makes the same call.
+With ``vllm.LLM``, :func:`kvsan.owners_from_llm` makes the same call.
 
 Everything here is token-free: request ids, block ids, counts, steps,
 seconds and hash digests.
@@ -176,78 +177,9 @@ def snapshot(checker, refs, linked, sched_requests=None, step: int = 0,
     }
 
 
-# ------------------------------------------------- front-end side (vLLM)
-#: the EngineCore utility method that takes the snapshot between two steps
-#: (added by :mod:`kvsan.hooks.vllm.owners`)
+#: the engine's utility method that takes the snapshot between two steps
+#: (vLLM's: :mod:`kvsan.hooks.vllm.owners`)
 UTILITY = "kvsan_owners"
-
-
-def from_llm(llm) -> list[dict[str, Any]]:
-    """Snapshots from a ``vllm.LLM`` (in-process or multi-process)."""
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
-    if core is not None and hasattr(core, "scheduler"):  # InprocClient
-        method = getattr(core, UTILITY, None)  # (added where kvsan is installed)
-        return [method() if method is not None else
-                {"schema": SCHEMA, "pid": os.getpid(), "error": "kvsan is off in this engine"}]
-    return [client.call_utility(UTILITY)]
-
-
-async def from_client(core) -> list[dict[str, Any]]:
-    """One snapshot per engine from an asyncio engine-core client (what an
-    ``AsyncLLM`` / ``vllm serve`` front end holds as ``engine_core``).
-
-    With data parallelism the client manages several EngineCores and its
-    ``call_utility_async`` answers with the first engine's result only
-    (``DPLBAsyncMPClient``), so every engine is asked
-    (``call_utility_all_async``, in engine order).  Each answer says which
-    engine it is (``engine``); one without it (an older kvsan in that
-    engine) is labelled by its position."""
-    if hasattr(core, "call_utility_all_async"):
-        engines = list(await core.call_utility_all_async(UTILITY))
-    else:
-        engines = [await core.call_utility_async(UTILITY)]
-    for i, e in enumerate(engines):
-        if isinstance(e, dict):
-            e.setdefault("engine", i)
-    return engines
-
-
-# ------------------------------------------------ API server side (vLLM)
-class EndpointPlugin:
-    """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``."""
-
-    name = "kvsan"
-    required_tasks = None
-
-    def attach_router(self, app) -> None:
-        from fastapi import APIRouter, Request
-        from fastapi.responses import JSONResponse
-
-        router = APIRouter()
-
-        async def kvsan_owners(request: Request):
-            client = getattr(request.app.state, "kvsan_engine_client", None)
-            core = getattr(client, "engine_core", None)
-            if core is None:
-                return JSONResponse({"error": "no engine behind this server"}, status_code=503)
-            try:
-                engines = await from_client(core)
-            except Exception as e:  # noqa: BLE001
-                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
-            return JSONResponse({"schema": SCHEMA, "engines": engines})
-
-        # this module uses postponed annotations; FastAPI needs the class
-        kvsan_owners.__annotations__ = {"request": Request}
-        router.add_api_route(ROUTE, kvsan_owners, methods=["GET"])
-        app.include_router(router)
-
-    async def init_state(self, engine_client, state, args) -> None:
-        state.kvsan_engine_client = engine_client
-
-
-def endpoint_plugin() -> EndpointPlugin:
-    return EndpointPlugin()
 
 
 # ------------------------------------------------------------- the client

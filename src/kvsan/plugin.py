@@ -32,6 +32,7 @@ def install(cfg: _config.Config, role: str | None = None,
     from .hooks.vllm import INSTRUMENTOR, processes
 
     _rt.set_process_names(processes)
+    _rt.set_fork_installer(install_forked)
     # (a forked child: the metric families are the parent's, re-labelled)
     inherited = forked_from.metrics if forked_from is not None else None
     rt = _rt.Runtime(cfg, role=role, metrics=inherited is None)

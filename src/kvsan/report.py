@@ -117,16 +117,20 @@ def _make_logger():
     ).bind(logger="kvsan")
 
 
-def _announce_end() -> None:
-    """Before an abort ends this process, tell the engine's other processes
-    (vLLM's front end would otherwise wait forever for this EngineCore's
-    next output: :mod:`kvsan.hooks.vllm.engine`).  Never stops the abort."""
-    try:
-        from .hooks.vllm.engine import announce_end
+#: what runs after an ``abort``-mode record is flushed and before the
+#: process ends: the engine adapter's notice to the engine's other
+#: processes (vLLM's front end would otherwise wait forever for this
+#: EngineCore's next output: :mod:`kvsan.hooks.vllm.engine`)
+BEFORE_ABORT: list = []
 
-        announce_end()
-    except BaseException:  # noqa: BLE001 - the process ends either way
-        pass
+
+def _announce_end() -> None:
+    """Run :data:`BEFORE_ABORT`.  Never stops the abort."""
+    for announce in list(BEFORE_ABORT):
+        try:
+            announce()
+        except BaseException:  # noqa: BLE001 - the process ends either way
+            pass
 
 
 class Reporter:

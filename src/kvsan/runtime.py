@@ -24,6 +24,17 @@ from .report import Reporter
 _names = None
 
 
+#: what installs kvsan again in a child multiprocessing forked
+#: (:func:`kvsan.plugin.install_forked`; set by the plugin when it installs)
+_install_forked = None
+
+
+def set_fork_installer(install) -> None:
+    """``install(parent_runtime)``, called in a forked child once it is named."""
+    global _install_forked
+    _install_forked = install
+
+
 def set_process_names(names) -> None:
     """Tell kvsan how the engine names its processes (the engine adapter,
     before the first runtime is made)."""
@@ -159,7 +170,7 @@ def _after_fork_in_child() -> None:
     hook records into it: its report descriptor, counters, pools and role
     are the parent's).  A child multiprocessing starts (how vLLM forks its
     EngineCore and workers) gets kvsan again
-    (:func:`kvsan.plugin.install_forked`) once its bootstrap named it
+    (:func:`set_fork_installer`) once its bootstrap named it
     (``EngineCore``, ``VllmWorker-N``).  A bare ``os.fork`` child does
     not: those are other libraries' helpers, most about to ``exec``
     (Ray's ``ray.init`` starts five), and each would write a report of an
@@ -178,11 +189,9 @@ def _after_fork_in_child() -> None:
 def _child_named(_obj=None) -> None:
     global _forked_from
     parent, _forked_from = _forked_from, None
-    if parent is None or _runtime is not None:
+    if parent is None or _runtime is not None or _install_forked is None:
         return
-    from . import plugin
-
-    plugin.install_forked(parent)
+    _install_forked(parent)
 
 
 class _AfterFork:  # (multiprocessing keeps a weak reference to the object)

@@ -84,8 +84,11 @@ class Instrumentor:
         by then, so the check is timed alone; signatures are read through
         the patches' ``__wrapped__``)."""
         from ... import hooks
-        from . import allocator
+        from ...report import BEFORE_ABORT
+        from . import allocator, engine
 
+        if engine.announce_end not in BEFORE_ABORT:
+            BEFORE_ABORT.append(engine.announce_end)
         ver = version()
         done = Installed(ver, ver is not None and ver.startswith(SUPPORTED))
         installed, missing = done.hooks, done.missing
@@ -116,8 +119,11 @@ class Instrumentor:
     def uninstrument(self) -> None:
         """Restore every method kvsan patched in vLLM."""
         from ... import hooks
-        from . import identity, owners, quarantine, weights
+        from ...report import BEFORE_ABORT
+        from . import engine, identity, owners, quarantine, weights
 
+        if engine.announce_end in BEFORE_ABORT:
+            BEFORE_ABORT.remove(engine.announce_end)
         quarantine.uninstall()
         weights.uninstall()
         identity.uninstall()

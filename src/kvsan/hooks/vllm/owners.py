@@ -3,9 +3,10 @@
 scheduler's pool between two steps.
 
 The snapshot itself is engine-agnostic (:func:`kvsan.owners.snapshot`);
-this module only reads vLLM's scheduler and block pool for it.  The front
-end's side (the utility call, ``GET /kvsan/owners``) is in
-:mod:`kvsan.owners`.
+this module only reads vLLM's scheduler and block pool for it, and makes
+the front end's side: the utility call from a ``vllm.LLM`` or an engine
+client, and ``GET /kvsan/owners`` on vLLM's API server (the
+``vllm.endpoint_plugins`` entry point).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 from typing import Any
 
 from ... import runtime as _rt
-from ...owners import SCHEMA, UTILITY, snapshot
+from ...owners import ROUTE, SCHEMA, UTILITY, snapshot
 from ..contract import Contract
 from .allocator import _scheduler_checker
 
@@ -83,3 +84,72 @@ CONTRACT = Contract(
         "vllm.v1.core.kv_cache_utils:KVCacheBlock": ("ref_cnt", "prev_free_block"),
     },
 )
+
+
+# ------------------------------------------------------------ front end
+def from_llm(llm) -> list[dict[str, Any]]:
+    """Snapshots from a ``vllm.LLM`` (in-process or multi-process)."""
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)
+    if core is not None and hasattr(core, "scheduler"):  # InprocClient
+        method = getattr(core, UTILITY, None)  # (added where kvsan is installed)
+        return [method() if method is not None else
+                {"schema": SCHEMA, "pid": os.getpid(), "error": "kvsan is off in this engine"}]
+    return [client.call_utility(UTILITY)]
+
+
+async def from_client(core) -> list[dict[str, Any]]:
+    """One snapshot per engine from an asyncio engine-core client (what an
+    ``AsyncLLM`` / ``vllm serve`` front end holds as ``engine_core``).
+
+    With data parallelism the client manages several EngineCores and its
+    ``call_utility_async`` answers with the first engine's result only
+    (``DPLBAsyncMPClient``), so every engine is asked
+    (``call_utility_all_async``, in engine order).  Each answer says which
+    engine it is (``engine``); one without it (an older kvsan in that
+    engine) is labelled by its position."""
+    if hasattr(core, "call_utility_all_async"):
+        engines = list(await core.call_utility_all_async(UTILITY))
+    else:
+        engines = [await core.call_utility_async(UTILITY)]
+    for i, e in enumerate(engines):
+        if isinstance(e, dict):
+            e.setdefault("engine", i)
+    return engines
+
+
+# ------------------------------------------------ API server side (vLLM)
+class EndpointPlugin:
+    """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``."""
+
+    name = "kvsan"
+    required_tasks = None
+
+    def attach_router(self, app) -> None:
+        from fastapi import APIRouter, Request
+        from fastapi.responses import JSONResponse
+
+        router = APIRouter()
+
+        async def kvsan_owners(request: Request):
+            client = getattr(request.app.state, "kvsan_engine_client", None)
+            core = getattr(client, "engine_core", None)
+            if core is None:
+                return JSONResponse({"error": "no engine behind this server"}, status_code=503)
+            try:
+                engines = await from_client(core)
+            except Exception as e:  # noqa: BLE001
+                return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
+            return JSONResponse({"schema": SCHEMA, "engines": engines})
+
+        # this module uses postponed annotations; FastAPI needs the class
+        kvsan_owners.__annotations__ = {"request": Request}
+        router.add_api_route(ROUTE, kvsan_owners, methods=["GET"])
+        app.include_router(router)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        state.kvsan_engine_client = engine_client
+
+
+def endpoint_plugin() -> EndpointPlugin:
+    return EndpointPlugin()

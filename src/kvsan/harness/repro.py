@@ -248,7 +248,7 @@ def _child_moments() -> None:
             ed.emit({"error": "kvsan is not loaded in the engine process (is it installed "
                               "as a vllm.general_plugins entry point?)"})
             return
-        rt.reporter.event("kvsan.repro.moment", moment=moment)
+        rt.reporter.event("kvsan.harness.repro.moment", moment=moment)
         rt.clear()
         res = run_moment(llm, moment, spec["prompts"], geo)
         print(MOMENT_MARK + json.dumps(res, default=str), flush=True)
@@ -343,7 +343,7 @@ def main(args) -> int:
               file=sys.stderr)
         return 2
     if args.inject:
-        from .hooks.vllm.faults import FAULTS
+        from ..hooks.vllm.faults import FAULTS
 
         if args.inject not in FAULTS:
             print(f"kvsan repro: --inject {args.inject!r} is not a built-in fault; accepted: "
@@ -373,7 +373,7 @@ def main(args) -> int:
 
     def reference():
         box["rc"], box["ref"] = ed.run_child(
-            "kvsan.repro", dict(common, engine=kw(False)), ed.child_env(False, batch_invariant=bi),
+            "kvsan.harness.repro", dict(common, engine=kw(False)), ed.child_env(False, batch_invariant=bi),
             os.path.join(work, "reference.log"), args=("reference",))
 
     th = threading.Thread(target=reference, daemon=True)
@@ -418,7 +418,7 @@ def main(args) -> int:
 
     rdir = os.path.join(work, "report")
     os.makedirs(rdir, exist_ok=True)
-    rc, done = ed.run_child("kvsan.repro", dict(common, engine=kw(True), moments=moments),
+    rc, done = ed.run_child("kvsan.harness.repro", dict(common, engine=kw(True), moments=moments),
                             ed.child_env(True, rdir, args.inject, bi),
                             os.path.join(work, "engine.log"), on_line=on_line)
     th.join()

@@ -333,7 +333,7 @@ def main(args) -> int:
 
     model = args.model or ensure_tiny_model()
     if args.inject:
-        from .hooks.vllm.faults import FAULTS
+        from ..hooks.vllm.faults import FAULTS
 
         if args.inject not in FAULTS:
             print(f"kvsan stress: --inject {args.inject!r} is not a built-in fault; accepted: "
@@ -361,7 +361,7 @@ def main(args) -> int:
     sampled = [r for r in trace if r["sampled"]]
 
     def reference():
-        box["ref"] = ed.run_child("kvsan.stress", {"trace": sampled, "tokens": toks,
+        box["ref"] = ed.run_child("kvsan.harness.stress", {"trace": sampled, "tokens": toks,
                                                    "engine": kw_off},
                                   ed.child_env(False, batch_invariant=bi),
                                   os.path.join(work, "reference.log"), args=("reference",))[1]
@@ -374,7 +374,7 @@ def main(args) -> int:
     bar = Progress(len(reqs), not args.no_progress)
     rdir = os.path.join(work, "report")
     os.makedirs(rdir, exist_ok=True)
-    rc, res = ed.run_child("kvsan.stress", {"trace": trace, "tokens": toks, "engine": kw_on},
+    rc, res = ed.run_child("kvsan.harness.stress", {"trace": trace, "tokens": toks, "engine": kw_on},
                            ed.child_env(True, rdir, args.inject, bi),
                            os.path.join(work, "engine.log"), on_line=bar)
     bar.close()
@@ -447,7 +447,7 @@ def main(args) -> int:
                           f"{'still shows it' if c['shows'] else 'gone'}", flush=True)
 
             _, small = ed.run_child(
-                "kvsan.stress", {"trace": trace, "tokens": toks, "engine": kw_on,
+                "kvsan.harness.stress", {"trace": trace, "tokens": toks, "engine": kw_on,
                                  "signature": sig, "reference": ref, "tol": tol,
                                  "runs": args.shrink_runs,
                                  "cut": res.get("first_violation_step")},

@@ -13,8 +13,8 @@ import sys
 import tempfile
 
 from .enginedrive import read_marked, write_marked
-from .reportfile import read_records
-from .summary import summarize
+from ..reportfile import read_records
+from ..summary import summarize
 
 
 def run_once(model: str, report_dir: str, seed: int, inject: str | None,
@@ -26,7 +26,7 @@ def run_once(model: str, report_dir: str, seed: int, inject: str | None,
     if in_process:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvsan.demo", model, str(seed)],
+        [sys.executable, "-m", "kvsan.harness.demo", model, str(seed)],
         env=env, capture_output=True, text=True, timeout=timeout,
     )
     stats = _traffic_stats(proc.stdout)
@@ -49,7 +49,7 @@ def _traffic_stats(stdout: str) -> dict:
 
 
 def main(args) -> int:
-    from .hooks.vllm.faults import EXPECTED
+    from ..hooks.vllm.faults import EXPECTED
     from .tinymodel import ensure_tiny_model
 
     model = args.model or ensure_tiny_model()
