@@ -1,6 +1,7 @@
 """Engine adapters: the only code that knows an engine's class and method
-names.  Each adapter translates the engine's calls into events for the
-engine-agnostic checks in :mod:`kvsan.checks`.
+names.  Each adapter (one package per engine: :mod:`kvsan.hooks.vllm`)
+translates the engine's calls into events for the engine-agnostic checks
+in :mod:`kvsan.checks`; this module is the patching they share.
 
 Patching follows OpenTelemetry's instrumentations: a table of targets,
 ``instrument()`` wraps each with wrapt and reports which were missing,
