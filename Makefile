@@ -1,5 +1,5 @@
 # The two commands of the README.  Both do all set-up on a fresh machine.
-.PHONY: demo test setup bench
+.PHONY: demo test setup bench upstream-tests
 
 setup:
 	./scripts/setup.sh
@@ -20,3 +20,11 @@ test: setup
 # 2 cores; writes benchmarks/results.md (method: docs/performance.md)
 bench: setup
 	.venv/bin/python -m benchmarks
+
+# vLLM's own tests/v1/core from its pinned source archive, run without and with
+# kvsan (KVSAN_MODE=raise) against an installed engine; prints and writes
+# .upstream/<version>/summary.md (scripts/upstream_tests.py).  VLLM defaults to
+# the version in .venv; for another release, UPSTREAM_PYTHON=<its venv's python>
+VLLM ?=
+upstream-tests:
+	.venv/bin/python scripts/upstream_tests.py $(VLLM)

@@ -1,0 +1,180 @@
+"""``scripts/upstream_tests.py`` (``make upstream-tests``) on small fake
+inputs: JUnit XML of the two runs, a kvsan report, an index page and a
+source archive.  No download, no pytest run."""
+
+import importlib.util
+import io
+import json
+import os
+import sys
+import tarfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_spec = importlib.util.spec_from_file_location(
+    "upstream_tests", os.path.join(ROOT, "scripts", "upstream_tests.py"))
+up = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = up  # (its dataclasses look their module up)
+_spec.loader.exec_module(up)
+
+
+def _case(nodeid, body="", classname=None, name=None):
+    prop = (f'<properties><property name="nodeid" value="{nodeid}"/></properties>'
+            if classname is None else "")
+    cn = classname or "tests.v1.core.test_x"
+    nm = name or nodeid.split("::")[-1]
+    return f'<testcase classname="{cn}" name="{nm}" time="0.1">{prop}{body}</testcase>'
+
+
+def _junit(path, cases):
+    path.write_text('<?xml version="1.0" encoding="utf-8"?><testsuites>'
+                    f'<testsuite name="pytest" tests="{len(cases)}">{"".join(cases)}'
+                    "</testsuite></testsuites>")
+
+
+SKIP = ('<skipped type="pytest.skip" message="needs a GPU">'
+        "tests/v1/core/test_x.py:10: needs a GPU</skipped>")
+HUB = '<failure message="OSError: no hub">OSError: no hub\nmore</failure>'
+NO_CONFIG = ('<failure message="pydantic_core._pydantic_core.ValidationError: 1 validation '
+             'error for ModelConfig">E   Value error, Invalid repository ID or local directory '
+             "specified: 'llava-hf/llava-1.5-7b-hf'.</failure>")
+VIOL = ('<failure message="kvsan.report.KVSanViolation: kvsan: refcount_underflow: '
+        'block 3">trace</failure>')
+T = "tests/v1/core/test_x.py::"
+
+
+@pytest.fixture
+def results(tmp_path):
+    _junit(tmp_path / "off.xml", [
+        _case(T + "test_ok"), _case(T + "test_gpu", SKIP), _case(T + "test_gpu2", SKIP),
+        _case(T + "test_hub", HUB), _case(T + "test_odd[1]"), _case(T + "test_odd[2]"),
+        _case(T + "test_llava[a]", NO_CONFIG), _case(T + "test_llava[b]", NO_CONFIG),
+        # no node id property: rebuilt from the class name
+        _case("", classname="tests.v1.core.test_x.TestPool", name="test_m"),
+    ])
+    _junit(tmp_path / "kvsan.xml", [
+        _case(T + "test_ok"), _case(T + "test_gpu", SKIP), _case(T + "test_gpu2", SKIP),
+        _case(T + "test_hub", HUB), _case(T + "test_odd[1]", VIOL), _case(T + "test_odd[2]"),
+        _case(T + "test_llava[a]", NO_CONFIG), _case(T + "test_llava[b]", NO_CONFIG),
+        _case("", classname="tests.v1.core.test_x.TestPool", name="test_m",
+              body='<error message="failed on teardown">x</error>'),
+    ])
+    ev = {"record": "event", "event": "upstream.test"}
+    recs = [
+        {"record": "event", "event": "kvsan.installed", "hooks": ["a", "b"], "missing": [],
+         "vllm": "0.32.0"},
+        {**ev, "nodeid": T + "test_ok", "phase": "start"},
+        {**ev, "nodeid": T + "test_ok", "phase": "end"},
+        {**ev, "nodeid": T + "test_odd[1]", "phase": "start"},
+        {"record": "violation", "kind": "refcount_underflow", "blocks": [3],
+         "owners": [], "actor": "req-1", "site": "block_pool.py:412 free_blocks",
+         "message": "ref_cnt of block 3 would go to -1"},
+        {**ev, "nodeid": T + "test_odd[1]", "phase": "end"},
+        {"record": "event", "event": "kvsan.internal_error", "where": "audit",
+         "error": "KeyError: 7"},
+    ]
+    (tmp_path / "kvsan-report.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs)
+                                                 + '{"truncated')
+    return tmp_path
+
+
+def test_junit_outcomes_and_node_ids(results):
+    off = up.read_junit(str(results / "off.xml"))
+    assert off[T + "test_gpu"].status == "skipped"
+    assert off[T + "test_hub"].message == "OSError: no hub"
+    assert "tests/v1/core/test_x.py::TestPool::test_m" in off
+
+
+def test_report_records_go_to_the_running_test(results):
+    by_test, installed = up.read_report(str(results / "kvsan-report.jsonl"))
+    assert [r["kind"] for r in by_test[T + "test_odd[1]"]] == ["refcount_underflow"]
+    assert T + "test_ok" not in by_test
+    assert by_test["(between tests)"][0]["event"] == "kvsan.internal_error"
+    assert installed["hooks"] == ["a", "b"]
+
+
+def test_summary(results):
+    o = up.outcome("0.32.0", "tests/v1/core", str(results), seconds={"off": 12.0, "kvsan": 15.4})
+    assert o.only_with_kvsan == sorted([T + "test_odd[1]",
+                                        "tests/v1/core/test_x.py::TestPool::test_m"])
+    text = up.summary(o)
+    # collected, passed without, passed with, skipped, failed without, only with kvsan
+    assert "| 0.32.0 | `tests/v1/core` | 9 | 4 | 2 | 2 | 3 | 2 | 12 s / 15 s |" in text
+    assert "| 2 | needs a GPU |" in text
+    assert f"| 1 | OSError: no hub | `{T}test_hub` |" in text
+    assert ("| 2 | needs `llava-hf/llava-1.5-7b-hf` from the model hub (offline run) "
+            f"| `{T}test_llava[a]` |") in text
+    assert (f"### `{T}test_odd[1]`\n\nfailed: kvsan.report.KVSanViolation: kvsan: "
+            "refcount_underflow: block 3") in text
+    assert ("- **refcount_underflow**, blocks [3], owners [], actor 'req-1', "
+            "site `block_pool.py:412 free_blocks`: ref_cnt of block 3 would go to -1") in text
+    assert "(no kvsan record during this test)" in text  # (TestPool::test_m)
+    assert "kvsan internal error at `audit`: KeyError: 7" in text
+    assert "2 hooks installed, vLLM 0.32.0, missing/unsupported: none" in text
+
+
+def _tarball(path, files):
+    with tarfile.open(path, "w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_unpack_extracts_only_tests(tmp_path, monkeypatch):
+    monkeypatch.setattr(up, "CACHE", str(tmp_path / "cache"))
+    sdist = tmp_path / "vllm-9.9.9.tar.gz"
+    _tarball(sdist, {
+        "vllm-9.9.9/tests/__init__.py": b"",
+        "vllm-9.9.9/tests/v1/core/test_a.py": b"def test_a(): pass\n",
+        "vllm-9.9.9/vllm/__init__.py": b"raise SystemExit\n",
+        "vllm-9.9.9/pyproject.toml": b'[tool.pytest.ini_options]\nmarkers = ["cpu_test: x"]\n',
+        "vllm-9.9.9/requirements/test/cpu.txt":
+            b"tblib==3.1.0\n    # via -r x\npytest==8.3.5 ; python_version > '3'\n",
+    })
+    dest, pins = up.unpack("9.9.9", str(sdist))
+    assert pins == {"tblib": "3.1.0", "pytest": "8.3.5"}
+    assert sorted(os.listdir(dest)) == ["kvsan_upstream_shim.py", "pytest.ini", "tests"]
+    assert os.path.exists(os.path.join(dest, "tests", "v1", "core", "test_a.py"))
+    with open(os.path.join(dest, "pytest.ini")) as f:
+        assert "    cpu_test: x\n" in f.read()
+
+
+def test_shim_compiles():
+    compile(up.SHIM_SOURCE, up.SHIM + ".py", "exec")
+
+
+def test_unpinned_release_is_refused():
+    with pytest.raises(up.Refused, match="no pinned sha256 for vllm 0.0.9"):
+        up.fetch_sdist("0.0.9", "python3")
+
+
+class _Resp(io.BytesIO):
+    def __init__(self, body, ctype):
+        super().__init__(body)
+        self.headers = {"Content-Type": ctype}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+@pytest.mark.parametrize("ctype", ["application/vnd.pypi.simple.v1+json", "text/html"])
+def test_sdist_url_from_either_index_format(monkeypatch, ctype):
+    if "json" in ctype:
+        body = json.dumps({"files": [
+            {"filename": "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl", "url": "w",
+             "hashes": {}},
+            {"filename": "vllm-0.32.0.tar.gz", "url": "../../files/vllm-0.32.0.tar.gz",
+             "hashes": {"sha256": "ab"}}]}).encode()
+    else:
+        body = (b'<a href="../../files/vllm-0.31.0.tar.gz#sha256=cd">x</a>'
+                b'<a href="../../files/vllm-0.32.0.tar.gz#sha256=ab">vllm-0.32.0.tar.gz</a>')
+    monkeypatch.setattr(up.urllib.request, "urlopen", lambda *a, **k: _Resp(body, ctype))
+    url, digest = up.sdist_url("https://index.example/simple/", "0.32.0", None)
+    assert (url, digest) == ("https://index.example/files/vllm-0.32.0.tar.gz", "ab")
+    with pytest.raises(up.Refused, match="lists no vllm-0.33.0.tar.gz"):
+        up.sdist_url("https://index.example/simple/", "0.33.0", None)
