@@ -28,8 +28,10 @@ worker whose copy of a request is not the scheduler's is reported too.
 
 Checked only where both are known to hold the step's inputs: the V1 runner
 without async scheduling (its sampled tokens reach the batch, and the host
-buffer, a step late), no KV connector (a connector loads blocks the worker
-never fed), requests given as token ids (not prompt embeddings).  Costs a
+buffer, a step late), requests given as token ids (not prompt embeddings).
+Under a KV connector, the slots it loads were fed nothing: they stay
+``NOT_FED`` (never compared), and a block it loads whole is sealed with its
+loader, ``load:<rid>``, which has no request state to compare with.  Costs a
 few µs per sealed block, in Python, outside the common step, and a store
 per token written in the guard's loop.
 
@@ -61,12 +63,12 @@ from ...checks.identity import token_link
 from ..contract import Contract
 
 
-def install(dc, runner, connector: bool) -> bool:
+def install(dc, runner) -> bool:
     """Have checker ``dc`` check the blocks it seals against ``runner``'s
     inputs, where the runner keeps them as vLLM 0.32's V1 runner does.
     Returns whether it will."""
     batch = getattr(runner, "input_batch", None)
-    if (connector or getattr(runner, "use_async_scheduling", True)
+    if (getattr(runner, "use_async_scheduling", True)
             or not hasattr(batch, "token_ids_cpu") or not hasattr(batch, "req_id_to_index")
             or not isinstance(getattr(runner, "requests", None), dict)):
         return False

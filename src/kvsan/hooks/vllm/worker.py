@@ -168,7 +168,9 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
             defer_guard=None if rt.config.mode == "log" else False,
             defer_sums=None if rt.config.mode == "log" else False,
         )
-        inputs = vllm_inputs.install(dc, runner, _has_connector())
+        if _has_connector():
+            _loads[dc] = ConnectorLoads(_prefix_caching(runner))
+        inputs = vllm_inputs.install(dc, runner)
         reads = vllm_inputs.record_reads(dc, runner)
         rows = vllm_inputs.block_rows(dc, runner)
         _checkers[runner] = dc
@@ -281,6 +283,9 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
         if news.count(None) != len(news):
             adds += [(rid, new[0], 0) for rid, new in zip(cr.req_ids, news) if new is not None]
     hits, fresh = dc.add_step(adds, layers) if adds else ((), ())
+    loads = _loads.get(dc) if _loads else None
+    if loads is not None and payload is not None:
+        loads.step(dc, hits, payload)
     copies = getattr(so, "kv_cache_block_copies", None)
     if copies:
         dc.copy_fill([(c.src_block_id, c.dst_block_id) for c in copies])
@@ -298,13 +303,120 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
                 handed.update(blocks)
             dc.poison(layers, [b for b in payload["freed"] if b not in handed])
         if hits:
-            if not _has_connector():  # connector loads write without slot mappings
+            # (a connector's loads are told apart from hits with the journal,
+            # above; without a journal they cannot be: hits go unchecked)
+            if loads is None or payload is not None:
                 dc.note_hits(hits)
                 dc.verify_step(layers, [b for _, b in hits])
                 return
         elif dc.step_hits:  # noted in a step whose guard did not run: not this step's
             dc.note_hits(())
     dc.verify_step(layers)
+
+
+#: owner prefix of the blocks a KV connector loads, as the device checker's
+#: writer of them, from the step that loads them until they are sealed
+LOADER = "load:"
+
+#: the device checkers of runners with a KV connector -> their ConnectorLoads
+_loads: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _prefix_caching(runner) -> bool:
+    cfg = getattr(runner, "cache_config", None)
+    return bool(getattr(cfg, "enable_prefix_caching", True))
+
+
+class ConnectorLoads:
+    """A KV connector's loads into one worker's cache, as the device checker
+    is told of them.
+
+    A connector writes the blocks it loads outside the slot mappings the
+    write guard counts, so the worker view sees a loading request's loaded
+    blocks only as the first ``num_computed_tokens`` of its table, like
+    prefix hits, never written: every one would be an ``uninitialized_hit``,
+    and none would ever be sealed.  The scheduler caches a loaded block when
+    its load is planned (a synchronous load: in the step that loads it) or
+    done (an asynchronous one: in the step the request is scheduled, or
+    earlier), and no request of the worker view produces it.  So a "hit"
+    on a block cached with no producer is the connector's load (with
+    prefix caching off, where nothing is cached, every hit is one).  Such a
+    block is written by the load: its writer is ``load:<rid>`` (the forward
+    writing it is ``overwrite_shared_block``), it counts as fully written,
+    and it is sealed when the step ends, as a block its producer wrote
+    (checksummed, then verified at every later prefix hit, on the sampled
+    schedule and at eviction).
+
+    After a step that loads, the sealed blocks live requests hold are
+    verified: a load that lands in blocks other than those the scheduler
+    gave it changes a sealed block that another request reads, and is
+    reported at the step of the load (``checksum_mismatch``, check "after a
+    KV connector load").  The cost, one checksum per sealed held block on
+    the steps that load, is paid only with a connector."""
+
+    __slots__ = ("caching", "loaders", "unproduced", "loaded")
+
+    def __init__(self, caching: bool):
+        self.caching = caching
+        #: (loader, its int, blocks) of the last steps' loads: their writer
+        #: is forgotten at the next step the worker view changes (they are
+        #: sealed by then, or were never cached)
+        self.loaders: list[tuple[str, int, list[int]]] = []
+        #: blocks cached with no producer and not yet loaded by a request
+        #: of the view (an asynchronous load done before its request is
+        #: scheduled)
+        self.unproduced: set[int] = set()
+        #: blocks loaded this step (verified after it: see above)
+        self.loaded = 0
+
+    def step(self, dc: DeviceChecker, hits, payload: dict) -> None:
+        """Before the step's sealing registrations (``will_seal``)."""
+        for loader, me, blocks in self.loaders:
+            dc._unproduce(me, blocks)
+            dc.drop_request(loader)
+        self.loaders = []
+        unproduced = self.unproduced
+        if payload["reset"]:
+            unproduced.clear()
+        for key in ("uncached", "freed"):
+            if unproduced and payload[key]:
+                unproduced.difference_update(payload[key])
+        cached = set(payload["cached"])
+        sealed = dc.sealed
+        pick = [(rid, b) for rid, b in hits if b not in sealed and (
+            not self.caching or b in cached or b in unproduced)]
+        by_rid: dict[str, list[int]] = {}
+        if pick:
+            seen = set()  # (a block two requests hit in its loading step: the first loads it)
+            for (rid, b), producer in zip(pick, dc._read(0, [b for _, b in pick])):
+                if producer == -1 and b not in seen:
+                    seen.add(b)
+                    by_rid.setdefault(rid, []).append(b)
+        n = 0
+        for rid, blocks in by_rid.items():
+            loader = LOADER + rid
+            me = dc._rint(loader)
+            dc._put(0, blocks, me)
+            dc._put(1, blocks, dc.block_size)
+            if dc._fed is not None:
+                dc._unfeed(blocks)  # (no input token was fed for them)
+            unproduced.difference_update(blocks)
+            self.loaders.append((loader, me, blocks))
+            n += len(blocks)
+        self.loaded = n
+        rest = [b for b in cached if b not in dc.null]
+        if rest:
+            for b, producer in zip(rest, dc._read(0, rest)):
+                if producer == -1 and b not in sealed:
+                    unproduced.add(b)
+
+    def verify_after(self, dc: DeviceChecker, layers) -> None:
+        """After a step that loaded: the sealed blocks live requests hold."""
+        self.loaded = 0
+        sealed = dc.sealed
+        held = [b for b in dc.holders if b in sealed]
+        if held:
+            dc.verify(layers, held, "after a KV connector load")
 
 
 #: vLLM's ``has_kv_transfer_group``, imported on first use (an import
@@ -365,6 +477,10 @@ def _execute_model(wrapped, instance, args, kwargs):
 
 def _step_ends(rt, runner, dc: DeviceChecker, layers, ret) -> None:
     """After vLLM's ``execute_model`` of a step begun by kvsan."""
+    if _loads:
+        loads = _loads.get(dc)
+        if loads is not None and loads.loaded:
+            _dguard(rt, "execute_model.loads", loads.verify_after, dc, layers)
     if dc.rows_on:  # the rows as this step's attention read them
         _dguard(rt, "execute_model.rows", vllm_inputs.check_rows, runner, dc)
     if ret is None:
