@@ -88,6 +88,10 @@ def test_producer_saves_every_prompt_with_zero_violations_in_every_process(produ
     installed = [r for r in read_records(report) if r.get("event") == "kvsan.installed"]
     assert sorted(r["role"] for r in installed) == ["engine", "frontend", "worker"]
     assert len({r["pid"] for r in installed}) == 3
+    # the worker's checks, the input tokens included, are on under the connector
+    on = [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
+    assert [(r["role"], r["write_guard"], r["input_tokens"]) for r in on] == \
+        [("worker", True, "recorded")]
     assert violations(report) == []
     check = subprocess.run([sys.executable, "-m", "kvsan.cli", "check", report],
                            capture_output=True, text=True)
