@@ -90,8 +90,8 @@ def test_producer_saves_every_prompt_with_zero_violations_in_every_process(produ
     assert len({r["pid"] for r in installed}) == 3
     # the worker's checks, the input tokens included, are on under the connector
     on = [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
-    assert [(r["role"], r["write_guard"], r["input_tokens"]) for r in on] == \
-        [("worker", True, "recorded")]
+    assert [(r["role"], r["write_guard"], r["input_tokens"], r["kv_connector"]) for r in on] \
+        == [("worker", True, "recorded", True)]
     assert violations(report) == []
     check = subprocess.run([sys.executable, "-m", "kvsan.cli", "check", report],
                            capture_output=True, text=True)

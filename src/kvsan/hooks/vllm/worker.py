@@ -183,7 +183,9 @@ def _device_checker(rt, runner) -> DeviceChecker | None:
                           poison=dc.poison_on, write_guard=True,
                           input_tokens="recorded" if dc.fed_tokens is not None
                           else "batch rows" if inputs else "off",
-                          read_extents=reads, block_rows=rows)
+                          read_extents=reads, block_rows=rows,
+                          # a KV connector's loads are sealed and verified
+                          kv_connector=dc in _loads)
     return dc
 
 
@@ -681,6 +683,20 @@ def targets() -> list[Target]:
                fast=("GUARD", _native_guard)),
         Target(_V1, "GPUModelRunner.shutdown", _shutdown, True),
     ]
+
+
+def has_v1_runner() -> bool:
+    """Whether the installed vLLM has the V1 model runner
+    (``vllm/v1/worker/gpu_model_runner.py``): 0.30 to 0.33 do, and their CPU
+    build's runner subclasses it; 0.34 removed it, leaving the V2 runner as
+    the only GPU one (and the CPU build a standalone runner kvsan does not
+    hook).  Found without importing it."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(_V1) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def targets_v2() -> list[Target]:
