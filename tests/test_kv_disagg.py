@@ -86,8 +86,11 @@ def test_producer_saves_every_prompt_with_zero_violations_in_every_process(produ
     assert got == {"cached": [0, 32, 0, 0, 0], "tokens": [1] * 5}
     assert len(os.listdir(store)) == len(PROMPTS)  # one saved prefix per prompt
     installed = [r for r in read_records(report) if r.get("event") == "kvsan.installed"]
-    assert sorted(r["role"] for r in installed) == ["engine", "frontend", "worker"]
-    assert len({r["pid"] for r in installed}) == 3
+    # the front end, its EngineCore and the worker (vLLM may start one more
+    # front-end process of its own, a model-registry probe, which installs too)
+    roles = [r["role"] for r in installed]
+    assert roles.count("engine") == 1 and roles.count("worker") == 1 and "frontend" in roles
+    assert len({r["pid"] for r in installed}) == len(installed)
     # the worker's checks, the input tokens included, are on under the connector
     on = [r for r in read_records(report) if r.get("event") == "kvsan.device_on"]
     assert [(r["role"], r["write_guard"], r["input_tokens"], r["kv_connector"]) for r in on] \
