@@ -73,9 +73,10 @@ class Sealing:
     def will_seal(self, blocks: Iterable[int], links=None) -> None:
         """Blocks the scheduler cached this step: sealed once written.  Only
         those a request of the worker view produces (writes through the
-        slot mappings the guard counts): a block a KV connector loaded, or
-        one of a KV cache group the view does not follow, is never counted
-        in ``fill``.  Taken, it stayed pending for good (scanned every step:
+        slot mappings the guard counts), or a KV connector's load names as
+        its writer (:mod:`.loads`): any other block (one of a KV cache
+        group the view does not follow, a load nobody told the checker
+        of) is never counted in ``fill``.  Taken, it stayed pending for good (scanned every step:
         milliseconds per step once thousands piled up), or was sealed from
         the count of its previous use, before its new bytes arrived.
         ``links``: ``(block size, [(block, parent link, token link)])``, the
