@@ -362,11 +362,23 @@ def offline_hub() -> str:
         d = os.path.join(hub, "models--" + repo.replace("/", "--"))
         os.makedirs(os.path.join(d, "snapshots", rev), exist_ok=True)
         os.makedirs(os.path.join(d, "refs"), exist_ok=True)
-        with open(os.path.join(d, "refs", "main"), "w") as f:
-            f.write(rev)
-        with open(os.path.join(d, "snapshots", rev, "config.json"), "w") as f:
-            json.dump(cfg, f, indent=2)
+        _write_once(os.path.join(d, "refs", "main"), rev)
+        _write_once(os.path.join(d, "snapshots", rev, "config.json"), json.dumps(cfg, indent=2))
     return hub
+
+
+def _write_once(path: str, text: str) -> None:
+    """Write ``path`` unless it already holds ``text``; atomically, since a
+    run for another release may be reading it."""
+    try:
+        with open(path) as f:
+            if f.read() == text:
+                return
+    except OSError:
+        pass
+    with open(f"{path}.{os.getpid()}", "w") as f:
+        f.write(text)
+    os.replace(f"{path}.{os.getpid()}", path)
 
 
 # -- the engine ----------------------------------------------------------------
