@@ -5,6 +5,7 @@ parameters changed is named: ``KVSAN_STRICT=1`` refuses to start, log mode
 writes one ``kvsan.contract`` event."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,13 +14,18 @@ import pytest
 from kvsan.hooks import contract as _contract
 
 
-def _all():
-    from kvsan.hooks.vllm import (allocator as vllm_allocator, identity as vllm_identity, inputs as vllm_inputs, owners as vllm_owners,
-                             quarantine as vllm_quarantine, weights as vllm_weights, worker as vllm_worker)
+def _all(v1=None):
+    """Every adapter's contract, the worker side's as the adapter picks them
+    for a vLLM with (or without) the V1 model runner (``v1`` None: the
+    installed one)."""
+    from kvsan.hooks.vllm import (allocator as vllm_allocator, identity as vllm_identity,
+                                  owners as vllm_owners, quarantine as vllm_quarantine,
+                                  weights as vllm_weights, worker as vllm_worker,
+                                  worker_contracts)
 
+    wanted, _ = worker_contracts(vllm_worker.has_v1_runner() if v1 is None else v1)
     return [vllm_allocator.CONTRACT, vllm_identity.CONTRACT, vllm_weights.CONTRACT,
-            vllm_quarantine.CONTRACT, vllm_owners.CONTRACT, vllm_worker.CONTRACT,
-            vllm_worker.CONTRACT_V2, vllm_inputs.CONTRACT]
+            vllm_quarantine.CONTRACT, vllm_owners.CONTRACT, *(c for _, c in wanted)]
 
 
 def test_real_vllm_passes_every_contract():
@@ -37,7 +43,7 @@ def test_every_hook_target_is_in_a_contract():
     """A target added to an adapter without its contract entry fails here."""
     from kvsan.hooks.vllm import allocator as vllm_allocator, identity as vllm_identity, weights as vllm_weights, worker as vllm_worker
 
-    declared = {k.replace(":", ".") for c in _all() for k in c.methods}
+    declared = {k.replace(":", ".") for c in _all(v1=True) for k in c.methods}
     targets = (vllm_allocator.targets() + vllm_allocator.shutdown_targets()
                + vllm_identity.targets() + vllm_weights.targets() + vllm_worker.targets()
                + vllm_worker.targets_v2())
@@ -135,3 +141,91 @@ def test_install_strict_and_log_mode(what, tmp_path):
     assert any("cache_full_blocks parameters changed" in m for m in ev["mismatches"])
     assert any(c.startswith("allocator: ") for c in ev["checks_off"])
     assert any(c.startswith("identity: ") for c in ev["checks_off"])
+
+
+# ------------------------------------------------ the releases kvsan supports
+#: each supported release's answers to the contracts' questions, recorded
+#: with that release installed (scripts/release_facts.py)
+RELEASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_releases")
+
+#: the support table (README) per vLLM release, as far as the recorded
+#: answers decide it: "on" (every contract of the column holds), "absent"
+#: (the release has no such part: vLLM 0.34 removed the V1 model runner)
+SUPPORT = {
+    "0.30": {"allocator": "on", "identity": "on", "worker-v1": "on", "worker-v2": "on"},
+    "0.31": {"allocator": "on", "identity": "on", "worker-v1": "on", "worker-v2": "on"},
+    "0.32": {"allocator": "on", "identity": "on", "worker-v1": "on", "worker-v2": "on"},
+    "0.33": {"allocator": "on", "identity": "on", "worker-v1": "on", "worker-v2": "on"},
+    "0.34": {"allocator": "on", "identity": "on", "worker-v1": "absent", "worker-v2": "on"},
+}
+#: the table's columns -> the adapters whose contracts they need
+COLUMNS = {"allocator": ("allocator", "owners", "weights", "quarantine"),
+           "identity": ("identity",), "worker-v1": ("worker-v1", "inputs"),
+           "worker-v2": ("worker-v2",)}
+
+
+def _recorded() -> list[str]:
+    return sorted(f[:-len(".json")] for f in os.listdir(RELEASES) if f.endswith(".json"))
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split(".")[:2])
+
+
+def _facts(version: str) -> dict:
+    with open(os.path.join(RELEASES, f"{version}.json")) as f:
+        return json.load(f)
+
+
+def _has_v1(facts: dict) -> bool:
+    """What ``worker.has_v1_runner`` says on that release: its V1 runner
+    module is there (recorded as not found: it is not)."""
+    from kvsan.hooks.vllm import worker as vllm_worker
+
+    err = facts["modules"].get(vllm_worker._V1, "")
+    return not err.startswith(f"ModuleNotFoundError: No module named '{vllm_worker._V1}'")
+
+
+@pytest.mark.parametrize("version", _recorded())
+def test_support_table_holds_on_each_recorded_release(version):
+    """Today's contracts, as the adapter picks them for that release, against
+    what the release offered when it was recorded: a contract change that a
+    supported release does not meet fails here, without that release."""
+    from kvsan.hooks.vllm import worker_contracts
+
+    facts = _facts(version)
+    assert facts["vllm"] == version
+    v1 = _has_v1(facts)
+    _, absent = worker_contracts(v1)
+    got = _contract.check(_all(v1), facts=facts)
+    state = {}
+    for column, adapters in COLUMNS.items():
+        if any(line.startswith(f"{a}:") for a in adapters for line in absent):
+            state[column] = "absent"
+        else:
+            state[column] = "on" if set(adapters) <= set(got.ok) else "off"
+    assert state == SUPPORT[_minor(version)], got.mismatches
+
+
+def test_supported_releases_are_the_recorded_ones():
+    from kvsan.hooks.vllm import SUPPORTED, supported
+
+    assert set(SUPPORTED) == set(SUPPORT) == {_minor(v) for v in _recorded()}
+    assert supported("0.32.0") and supported("0.34.1") and not supported("0.3")
+    assert not supported("0.35.0") and not supported("0.29.0") and not supported(None)
+
+
+def test_installed_release_matches_its_record():
+    """The record of the installed release is what the recorder finds now
+    (the recorder and the check read the same questions); the other
+    releases are compared with theirs by ``scripts/release_facts.py
+    --check`` run with their interpreter."""
+    sys.path.insert(0, os.path.join(os.path.dirname(RELEASES), "..", "scripts"))
+    try:
+        import release_facts
+    finally:
+        sys.path.pop(0)
+    live = json.loads(release_facts.dumps(release_facts.facts()))
+    assert live["vllm"] in _recorded(), f"vLLM {live['vllm']} has no record: " \
+        "scripts/release_facts.py writes it"
+    assert live == _facts(live["vllm"])

@@ -118,37 +118,95 @@ def _code_names(cls, memo: dict) -> set:
     return names
 
 
-def check_one(contract: Contract, result: Result, memo: dict | None = None) -> None:
-    """Verify one adapter's contract, adding to ``result``."""
-    memo = {} if memo is None else memo
+class _Live:
+    """The installed vLLM, read by importing its modules (never by
+    instantiating an engine object)."""
+
+    def __init__(self):
+        self.memo: dict = {}
+
+    def method(self, module: str, cls_name: str, attr: str):
+        """The method's parameter names after ``self``, or why there are
+        none (``"missing (...)"``, ``None``: no signature).  ImportError
+        when the module does not import."""
+        try:
+            cls = _resolve(module, cls_name)
+        except AttributeError as e:
+            return f"missing ({e})"
+        if attr not in cls.__dict__:
+            return f"missing (no method {attr!r} on {cls_name})"
+        return _params(cls.__dict__[attr])
+
+    def attrs(self, module: str, qual: str, attrs):
+        """The attributes of ``attrs`` the class lacks, or ``"missing (...)"``."""
+        try:
+            cls = _resolve(module, qual)
+        except AttributeError as e:
+            return f"missing ({e})"
+        have = _code_names(cls, self.memo)
+        return [a for a in attrs if a not in have]
+
+
+class _Recorded:
+    """A release's answers as :func:`record` wrote them (another vLLM than
+    the installed one): the same questions, read from the record.  A
+    question the record does not hold is a mismatch that says so."""
+
+    def __init__(self, facts: dict):
+        self.facts = facts
+
+    def _imports(self, module: str) -> None:
+        err = self.facts.get("modules", {}).get(module)
+        if err is not None:
+            raise ImportError(f"{err} (recorded)")
+
+    def method(self, module: str, cls_name: str, attr: str):
+        self._imports(module)
+        got = self.facts.get("methods", {}).get(f"{module}:{cls_name}.{attr}", _UNRECORDED)
+        if got is _UNRECORDED:
+            return f"not recorded for vLLM {self.facts.get('vllm')} (record it again)"
+        return got
+
+    def attrs(self, module: str, qual: str, attrs):
+        self._imports(module)
+        got = self.facts.get("attrs", {}).get(f"{module}:{qual}", _UNRECORDED)
+        if isinstance(got, str):
+            return got
+        if got is _UNRECORDED or any(a not in got["has"] and a not in got["lacks"]
+                                     for a in attrs):
+            return f"not recorded for vLLM {self.facts.get('vllm')} (record it again)"
+        return [a for a in attrs if a not in got["has"]]
+
+
+_UNRECORDED = object()
+
+
+def check_one(contract: Contract, result: Result, memo: dict | None = None,
+              source=None) -> None:
+    """Verify one adapter's contract, adding to ``result`` (``source``: the
+    installed vLLM, or a :class:`_Recorded` release)."""
+    if source is None:
+        source = _Live()
+        if memo is not None:
+            source.memo = memo
     bad: list = []
     try:
         for spec, expected in contract.methods.items():
             module, qual = _split(spec)
             cls_name, _, attr = qual.rpartition(".")
             name = f"{module}.{qual}"
-            try:
-                cls = _resolve(module, cls_name)
-            except AttributeError as e:
-                bad.append(f"{name} missing ({e})")
-                continue
-            if attr not in cls.__dict__:
-                bad.append(f"{name} missing (no method {attr!r} on {cls_name})")
-                continue
-            actual = _params(cls.__dict__[attr])
-            if actual is None or tuple(actual[:len(expected)]) != tuple(expected):
+            actual = source.method(module, cls_name, attr)
+            if isinstance(actual, str):
+                bad.append(f"{name} {actual}")
+            elif actual is None or tuple(actual[:len(expected)]) != tuple(expected):
                 bad.append(f"{name} parameters changed: expected "
                            f"({', '.join(expected)}, ...), found ({', '.join(actual or ['?'])})")
         for spec, attrs in contract.attrs.items():
             module, qual = _split(spec)
-            try:
-                cls = _resolve(module, qual)
-            except AttributeError as e:
-                bad.append(f"{module}.{qual} missing ({e})")
-                continue
-            have = _code_names(cls, memo)
-            lost = [a for a in attrs if a not in have]
-            if lost:
+            lost = source.attrs(module, qual, attrs)
+            if isinstance(lost, str):
+                bad.append(f"{module}.{qual} {lost}")
+            elif lost:
                 bad.append(f"{module}.{qual} lacks attribute(s) {', '.join(lost)}")
     except ImportError as e:
         if contract.optional:
@@ -169,11 +227,57 @@ def check_one(contract: Contract, result: Result, memo: dict | None = None) -> N
         result.ok.append(contract.adapter)
 
 
-def check(contracts) -> Result:
-    """Verify ``contracts`` (start-up only), timing the whole."""
+def check(contracts, facts: dict | None = None) -> Result:
+    """Verify ``contracts`` (start-up only), timing the whole: against the
+    installed vLLM, or against ``facts``, another release's answers as
+    :func:`record` wrote them there."""
     t0 = perf_counter()
-    result, memo = Result(), {}
+    result = Result()
+    source = _Live() if facts is None else _Recorded(facts)
     for c in contracts:
-        check_one(c, result, memo)
+        check_one(c, result, source=source)
     result.ms = (perf_counter() - t0) * 1e3
     return result
+
+
+def record(contracts, version: str | None = None) -> dict:
+    """The installed vLLM's answers to every question ``contracts`` ask (a
+    method's parameters, a class's attributes, a module that does not
+    import), as data: kept per release, they let :func:`check` verify the
+    adapters' contracts against releases not installed here."""
+    live, out = _Live(), {"vllm": version, "modules": {}, "methods": {}, "attrs": {}}
+
+    def imports(module: str) -> bool:
+        if module in out["modules"]:
+            return False
+        try:
+            importlib.import_module(module)
+            return True
+        except Exception as e:  # noqa: BLE001 - recorded as the release's answer
+            out["modules"][module] = f"{type(e).__name__}: {e}"
+            return False
+
+    for c in contracts:
+        for spec in c.methods:
+            module, qual = _split(spec)
+            if imports(module):
+                cls_name, _, attr = qual.rpartition(".")
+                got = live.method(module, cls_name, attr)
+                out["methods"][spec] = got if isinstance(got, (str, type(None))) else list(got)
+        for spec, attrs in c.attrs.items():
+            module, qual = _split(spec)
+            if imports(module):
+                lost = live.attrs(module, qual, attrs)
+                if isinstance(lost, str):
+                    out["attrs"][spec] = lost
+                    continue
+                have = out["attrs"].setdefault(spec, {"has": [], "lacks": []})
+                for a in attrs:
+                    key = "lacks" if a in lost else "has"
+                    if a not in have[key]:
+                        have[key].append(a)
+    for have in out["attrs"].values():
+        if isinstance(have, dict):
+            have["has"].sort()
+            have["lacks"].sort()
+    return out

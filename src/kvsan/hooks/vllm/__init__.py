@@ -28,16 +28,15 @@ or a vLLM release whose internals moved, is another package beside this one.
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import contract as _contract
 from .allocator import SUPPORTED
 
 __all__ = ["INSTRUMENTOR", "Installed", "Instrumentor", "SUPPORTED", "carry_env_to_ray",
-           "version"]
+           "supported", "version"]
 
 
 def version() -> str | None:
@@ -52,6 +51,14 @@ def version() -> str | None:
         except Exception:  # noqa: BLE001
             continue
     return None
+
+
+def supported(ver: str | None) -> bool:
+    """Whether release ``ver`` is one kvsan was checked against: its major
+    and minor number in :data:`SUPPORTED` (a prefix test would take 0.3
+    for 0.30 to 0.39).  What differs between them is handled where the
+    adapter reads it, by what the installed vLLM offers."""
+    return ver is not None and ".".join(ver.split(".")[:2]) in SUPPORTED
 
 
 @dataclass
@@ -90,7 +97,7 @@ class Instrumentor:
         if engine.announce_end not in BEFORE_ABORT:
             BEFORE_ABORT.append(engine.announce_end)
         ver = version()
-        done = Installed(ver, ver is not None and ver.startswith(SUPPORTED))
+        done = Installed(ver, supported(ver))
         installed, missing = done.hooks, done.missing
         if rt.role != "worker":
             got, lost = hooks.instrument(allocator.targets())
@@ -146,6 +153,13 @@ class Instrumentor:
             _install_when_imported(rt, worker.targets, worker._V1)
             _install_when_imported(rt, worker.targets_v2, worker._V2)
             return
+        if not worker.has_v1_runner():
+            # vLLM 0.34 removed the V1 runner: the V2 runner's hooks are the
+            # worker's, each one missing said so
+            got, lost = hooks.instrument(worker.targets_v2())
+            installed.extend(got)
+            missing.extend(lost)
+            return
         got, lost = hooks.instrument(worker.targets())
         installed.extend(got)
         missing.extend(lost)
@@ -174,12 +188,9 @@ class Instrumentor:
         outside a worker, the worker side's in a worker.  Elsewhere the
         worker side's contract is checked only if its module is already
         imported (the front end never imports the model runner for it)."""
-        from . import allocator, identity, owners, weights
+        from . import allocator, identity, owners, weights, worker
 
-        worker_mods = (("vllm.v1.worker.gpu_model_runner", ("worker", "CONTRACT")),
-                       ("vllm.v1.worker.gpu_model_runner", ("inputs", "CONTRACT")),
-                       ("vllm.v1.worker.gpu.model_runner", ("worker", "CONTRACT_V2")))
-        contracts, unchecked = [], []
+        contracts = []
         if rt.role != "worker":
             contracts += [allocator.CONTRACT, identity.CONTRACT, weights.CONTRACT,
                           owners.CONTRACT]
@@ -187,8 +198,8 @@ class Instrumentor:
                 from . import quarantine
 
                 contracts.append(quarantine.CONTRACT)
-        for module, (adapter, name) in worker_mods:
-            c = getattr(importlib.import_module(f"{__name__}.{adapter}"), name)
+        wanted, unchecked = worker_contracts(rt.role != "worker" or worker.has_v1_runner())
+        for module, c in wanted:
             if rt.role == "worker" or module in sys.modules:
                 contracts.append(c)
             else:
@@ -202,6 +213,25 @@ class Instrumentor:
 
 #: the instrumentor :mod:`kvsan.plugin` uses
 INSTRUMENTOR = Instrumentor()
+
+
+def worker_contracts(v1: bool) -> tuple[list, list]:
+    """The worker side's contracts, as ``[(module, contract)]``, and a line
+    for each one that does not apply.  ``v1``: the installed vLLM has the V1
+    model runner (0.30 to 0.33).  Without it (0.34) the V2 runner's
+    contract is the worker's own, no longer optional, and the V1 runner's
+    contracts are said absent rather than broken."""
+    from . import inputs, worker
+
+    wanted, absent = [], []
+    for module, c in ((worker._V1, worker.CONTRACT), (worker._V1, inputs.CONTRACT),
+                      (worker._V2, worker.CONTRACT_V2)):
+        if not v1 and module == worker._V1:
+            absent.append(f"{c.adapter}: not in this vLLM (no {module}: the V1 model "
+                          f"runner was removed in vLLM 0.34)")
+            continue
+        wanted.append((module, c if v1 or not c.optional else replace(c, optional=False)))
+    return wanted, absent
 
 
 def _install_when_imported(rt, targets, module: str) -> None:

@@ -27,7 +27,12 @@ from .. import Target, bind_args, call_context, call_site, guard_failed
 from .. import guard as _guard
 from ..contract import Contract
 
-SUPPORTED = ("0.32",)
+#: the releases kvsan was checked against (major.minor; tests/test_contract.py
+#: checks each one's recorded answers, tests/vllm_releases/).  Where they
+#: differ, the adapter reads what the installed vLLM offers: 0.34's blocks
+#: hold a weak reference to their pool (:func:`pool_ref`), and 0.34 has no
+#: V1 model runner (``worker.has_v1_runner``)
+SUPPORTED = ("0.30", "0.31", "0.32", "0.33", "0.34")
 _BP = "vllm.v1.core.block_pool"
 _STM = "vllm.v1.core.single_type_kv_cache_manager"
 _SCHED = "vllm.v1.core.sched.scheduler"
@@ -53,6 +58,40 @@ def _context(rt) -> tuple[str, str | None]:
 
 #: the checker of a pool: (runtime or None, checker or None)
 _checker = _hooks.pool_checker
+
+
+# ------------------------------------------------- which pool a block is of
+#: BlockPool -> what its blocks hold in ``KVCacheBlock.pool`` (None: the
+#: pool itself, not stored here, which would keep the pool alive)
+_POOL_REF: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def pool_ref(pool):
+    """What ``pool``'s own blocks hold in ``KVCacheBlock.pool``: the pool
+    itself up to vLLM 0.33, one weak reference to it (shared by all its
+    blocks) from 0.34 on, where the field became ``weakref.ref[BlockPool]``.
+    Read off the pool's first block (the null block, always there), so
+    whichever the installed vLLM stores is what is matched by identity."""
+    try:
+        got = _POOL_REF[pool]
+    except KeyError:
+        blocks = getattr(pool, "blocks", None)
+        got = blocks[0].pool if blocks else None
+        if got is pool:
+            got = None
+        _POOL_REF[pool] = got
+    except TypeError:  # (not weakly referenceable: not a vLLM pool)
+        return pool
+    return pool if got is None else got
+
+
+def pool_of(block, home):
+    """The pool ``block`` belongs to: its ``pool``, dereferenced where it is
+    a weak reference (vLLM 0.34), else ``home`` (a block without one)."""
+    p = block.pool
+    if p is None:
+        return home
+    return p() if type(p) is weakref.ref else p
 
 
 # ---------------------------------------------------------------- BlockPool
@@ -151,8 +190,9 @@ def _release_obs(instance, blocks, pre):
                 for b in blocks]
     # (a block of another pool, which vLLM hands to that pool, may share an id
     # with one of this pool's: only this pool's are matched)
+    ref = pool_ref(instance)
     mine = [(i, b) for i, b in enumerate(blocks)
-            if b.block_id in pre and (b.pool is None or b.pool is instance)]
+            if b.block_id in pre and (b.pool is None or b.pool is ref)]
     last = {}
     for i, b in mine:
         last[b.block_id] = i
@@ -195,12 +235,14 @@ def _make_release(arg_name: str):
         fast = ck.fast
         # the native snapshot: each block's count and free-queue link, or None
         # (a block of another pool or met twice: read below in Python)
-        snap = _guard(rt, "snapshot", fast.snapshot, blocks, instance) if fast else None
+        # (the pool as its blocks hold it: the native snapshot tests identity)
+        ref = pool_ref(instance)
+        snap = _guard(rt, "snapshot", fast.snapshot, blocks, ref) if fast else None
         pre = None
         if snap is None:
             pre = {}
             for b in blocks:
-                if (b.pool is None or b.pool is instance) and not b.is_null \
+                if (b.pool is None or b.pool is ref) and not b.is_null \
                         and b.block_id not in pre:
                     pre[b.block_id] = (b.ref_cnt, b.prev_free_block is not None)
         ret = wrapped(blocks, *rest, **kw)
@@ -382,7 +424,7 @@ def _pop_blocks_for_free(wrapped, instance, args, kwargs):
     by_pool: dict = {}  # a block of another pool (HiSparse's host pool) is in that one's table
     for b in ret:
         if not b.is_null:
-            by_pool.setdefault(home if b.pool is None else b.pool, []).append(b.block_id)
+            by_pool.setdefault(pool_of(b, home), []).append(b.block_id)
     site = _site()
     for pool, ids in by_pool.items():
         ck = rt.checkers.get(pool)
@@ -776,11 +818,11 @@ def _connector_holds(rt, sched, request) -> None:
     if ck is None:
         return
     rid = request.request_id
-    pool = sched.kv_cache_manager.block_pool
+    ref = pool_ref(sched.kv_cache_manager.block_pool)
     ids = []
     for manager in sched.kv_cache_manager.coordinator.single_type_managers:
         for b in manager.req_to_blocks.get(rid, ()):
-            if not b.is_null and (b.pool is None or b.pool is pool):
+            if not b.is_null and (b.pool is None or b.pool is ref):
                 ids.append(b.block_id)
     ck.on_connector_hold(rid, ids, "scheduler.py:_connector_finished (delayed free)")
 

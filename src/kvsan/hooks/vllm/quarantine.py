@@ -35,8 +35,11 @@ _releasing: list = []  # non-empty while quarantine hands blocks back
 
 
 def _freed(pool, blocks):
+    from .allocator import pool_ref
+
+    ref = pool_ref(pool)  # (vLLM 0.34's blocks hold a weak reference to their pool)
     return [b for b in blocks
-            if not b.is_null and (b.pool is None or b.pool is pool)
+            if not b.is_null and (b.pool is None or b.pool is ref)
             and b.ref_cnt == 0 and b.prev_free_block is not None]
 
 
