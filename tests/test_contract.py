@@ -229,3 +229,34 @@ def test_installed_release_matches_its_record():
     assert live["vllm"] in _recorded(), f"vLLM {live['vllm']} has no record: " \
         "scripts/release_facts.py writes it"
     assert live == _facts(live["vllm"])
+
+
+def test_a_block_pool_is_matched_as_its_blocks_hold_it():
+    """vLLM 0.34's ``KVCacheBlock.pool`` is one weak reference per pool, the
+    releases before hold the pool itself: the allocator adapter matches a
+    block to a pool by what that pool's own blocks hold, and keeps no pool
+    alive for it."""
+    import gc
+    import weakref
+
+    from kvsan.hooks.vllm.allocator import pool_of, pool_ref
+
+    class Pool:
+        pass
+
+    class Block:
+        def __init__(self, pool):
+            self.pool = pool
+
+    old = Pool()
+    old.blocks = [Block(old), Block(old)]
+    assert pool_ref(old) is old and pool_of(old.blocks[1], None) is old
+    new = Pool()
+    ref = weakref.ref(new)
+    new.blocks = [Block(ref), Block(ref)]
+    assert pool_ref(new) is ref and pool_of(new.blocks[1], None) is new
+    assert pool_of(Block(None), old) is old  # (a block without one: the caller's)
+    gone = weakref.ref(old)
+    del old
+    gc.collect()
+    assert gone() is None
