@@ -7,15 +7,53 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+def engine_unavailable() -> str | None:
+    """Why vLLM's engine cannot start in this environment, or None where it
+    can.  The one place the suite decides it: tests that boot the engine
+    (marked ``e2e``) skip with this reason.
+
+    vLLM's CPU build, which runs the engine here, is published for CPython
+    3.11 only; the lane of another CPython (scripts/setup_lane.sh) has the
+    registry's CUDA build, whose scheduler side runs on a CPU host but whose
+    engine needs a device vLLM can detect, and a host without a GPU has
+    none.  vLLM's own answer (its current platform) is what is asked, not
+    the Python version, so a CUDA build on a GPU host still runs them."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_unspecified():
+        return None
+    import torch
+    import vllm
+
+    return ("the engine runs only on CPython 3.11's CPU build here: vLLM "
+            f"{vllm.__version__} with torch {torch.__version__} on CPython "
+            f"{sys.version_info.major}.{sys.version_info.minor} detects no device "
+            "(no GPU, not vLLM's CPU build)")
+
+
+def pytest_collection_modifyitems(config, items):
+    booting = [item for item in items if item.get_closest_marker("e2e")]
+    if not booting:  # (asking vLLM imports torch: only when it matters)
+        return
+    why = engine_unavailable()
+    if why is not None:
+        for item in booting:
+            item.add_marker(pytest.mark.skip(reason=why))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def native_paths():
     """kvsan's C paths in use (where built) from the start of the session,
     as in an engine with ``KVSAN=1``: importing kvsan switches nothing on,
     and the checks made in tests without installing kvsan would otherwise
-    run only the Python paths, or not, depending on the order of tests."""
+    run only the Python paths, or not, depending on the order of tests.
+    Its value: whether all of them are built and in use (CPython 3.11; on
+    another CPython ``kvsan._frames``, which reads 3.11's frame layout, and
+    the native hooks that build on it are not, while the other modules may
+    be), for tests that check what only the full set does."""
     from kvsan import hooks
 
-    hooks.use_native(True)
+    return hooks.use_native(True)
 
 
 @pytest.fixture(scope="session")

@@ -479,7 +479,7 @@ print(json.dumps({"imported": imported, "installed": state()}))
 
 
 @pytest.mark.parametrize("on", [True, False])
-def test_importing_switches_nothing_on_installing_does(on):
+def test_importing_switches_nothing_on_installing_does(on, native_paths):
     """No import-time side effect: importing kvsan's hooks and checks
     leaves every native path off; installing kvsan switches them all on
     (``KVSAN_NATIVE``, on by default), or leaves them off with it off."""
@@ -491,4 +491,9 @@ def test_importing_switches_nothing_on_installing_does(on):
     assert got.returncode == 0, got.stderr
     state = json.loads(got.stdout.strip().splitlines()[-1])
     assert state["imported"] == [False] * 5
-    assert state["installed"] == [on and PY311] * 5
+    if on and not native_paths:
+        # another CPython: no frame reader (it reads 3.11's frame layout) and
+        # so no native hooks; the other modules are in use where they built
+        assert state["installed"][0] is False and state["installed"][2] is False
+    else:
+        assert state["installed"] == [on] * 5

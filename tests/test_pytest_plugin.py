@@ -171,6 +171,7 @@ def test_expected_violations_pass_and_missing_ones_fail_the_test(inner):
     res.stdout.fnmatch_lines(["*test_marks.py::test_expects_only_one_kind: refcount_underflow x1"])
 
 
+@pytest.mark.e2e  # (the inner test boots the engine)
 def test_gate_fails_closed_on_a_real_engine_s_reports(inner, tmp_path):
     """A real engine run by a test under the gate (the spawned EngineCore and
     worker write to the session's reports) passes it; the same reports
