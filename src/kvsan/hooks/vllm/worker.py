@@ -273,10 +273,13 @@ def begin_step(rt, dc: DeviceChecker, so, layers: list) -> None:
     else:
         adds = []
     cr = so.scheduled_cached_reqs
-    if cr.resumed_req_ids:
+    # (vLLM 0.34 has no resumed_req_ids: it sends a resumed request in full
+    # among the new ones, handled above; 0.30 to 0.33 list it here)
+    resumed = getattr(cr, "resumed_req_ids", None)
+    if resumed:
         for i, rid in enumerate(cr.req_ids):
             new = cr.new_block_ids[i]
-            if rid in cr.resumed_req_ids:
+            if rid in resumed:
                 dc.drop_request(rid)
                 adds.append((rid, new[0] if new else [], *divmod(cr.num_computed_tokens[i], bs)))
             elif new is not None:
@@ -612,6 +615,16 @@ def targets_v2() -> list[Target]:
 
 #: what the worker-side checks rely on in vLLM's V1 runner
 #: (:mod:`kvsan.hooks.contract`)
+#: what :func:`begin_step` reads of the step the scheduler sends (either
+#: runner).  ``CachedRequestData.resumed_req_ids`` is read where there is
+#: one (0.30 to 0.33), not required: vLLM 0.34 sends a resumed request
+#: among the new ones
+_STEP_ATTRS = {
+    "vllm.v1.core.sched.output:NewRequestData": ("req_id", "block_ids", "num_computed_tokens"),
+    "vllm.v1.core.sched.output:CachedRequestData":
+        ("req_ids", "new_block_ids", "num_computed_tokens"),
+}
+
 CONTRACT = Contract(
     adapter="worker-v1",
     check="the device checks on the V1 model runner (writes into freed or foreign blocks)",
@@ -625,6 +638,7 @@ CONTRACT = Contract(
             ("kv_caches", "kv_cache_config", "input_batch", "parallel_config"),
         "vllm.v1.worker.gpu_input_batch:InputBatch": ("num_reqs", "req_ids", "block_table"),
         "vllm.v1.kv_cache_interface:KVCacheConfig": ("num_blocks", "kv_cache_groups"),
+        **_STEP_ATTRS,
     },
 )
 #: the same for the V2 runner, which imports only where Triton works (not
@@ -642,5 +656,6 @@ CONTRACT_V2 = Contract(
         f"{_V2}:GPUModelRunner": ("kv_caches", "kv_cache_config"),
         "vllm.v1.worker.gpu.input_batch:InputBatch":
             ("num_reqs", "req_ids", "num_scheduled_tokens", "num_tokens"),
+        **_STEP_ATTRS,
     },
 )
