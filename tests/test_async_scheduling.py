@@ -62,7 +62,7 @@ class WorkerView:
         cr = so.scheduled_cached_reqs
         for i, rid in enumerate(cr.req_ids):
             new = cr.new_block_ids[i]
-            if rid in cr.resumed_req_ids:
+            if rid in getattr(cr, "resumed_req_ids", ()):  # (0.34 sends them as new)
                 self.tables[rid] = list(new[0]) if new else []
             elif new is not None:
                 self.tables[rid].extend(new[0])
@@ -122,8 +122,9 @@ def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
     and run step N+1, then take step N's output.  ``fault_at``: at that
     step, free a running request's last block behind the manager's back,
     and stop."""
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import RequestStatus
+
+    from vllm_objects import model_runner_output
 
     rt.clear()
     from benchmarks.sched import make_scheduler
@@ -161,9 +162,7 @@ def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
             break
         so, (ids, sampled) = queue.pop()
         before = len(sched.requests)
-        sched.update_from_output(so, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled))
+        sched.update_from_output(so, model_runner_output(ids, sampled))
         seen["finished"] += before - len(sched.requests)
         for _ in range(before - len(sched.requests)):
             traffic.add(now)

@@ -247,6 +247,14 @@ def test_different_tokens_forced_to_the_same_hash(rt, kcu, monkeypatch):
     assert fields_of(rt) == {("tokens",)}
 
 
+def _c_chains_apply() -> bool:
+    """Whether kvsan's C identity paths take this vLLM's requests: they read
+    the token ids as a list, as vLLM 0.30 to 0.33 keep them; 0.34 keeps a
+    ``TokenBuffer`` (an int32 array), which they leave to the Python paths
+    (the same records, made in Python)."""
+    return type(request("probe")._all_token_ids) is list
+
+
 def test_a_producer_cached_over_several_calls(rt, kcu, monkeypatch, native):
     """A producer whose blocks are registered over two ``cache_full_blocks``
     calls (prompt, then decode): from its second call on, with the C paths
@@ -254,6 +262,8 @@ def test_a_producer_cached_over_several_calls(rt, kcu, monkeypatch, native):
     observer runs once, for the request's first registration, which makes
     its chain).  A consumer served all three blocks through a bad key must
     be told about each, with the same fields either way."""
+    if native and not _c_chains_apply():
+        pytest.skip("the C identity paths leave this vLLM's token buffers to Python")
     from vllm.v1.core.block_pool import BlockPool
 
     from kvsan import hooks
@@ -295,6 +305,8 @@ def test_new_producers_recorded_natively(rt, native):
     a new text-only producer's chain is started and its records made in C
     (the Python observer does not run for it); with the C paths off the
     observer makes them.  The records are the producer's either way."""
+    if native and not _c_chains_apply():
+        pytest.skip("the C identity paths leave this vLLM's token buffers to Python")
     from vllm.v1.core.block_pool import BlockPool
 
     from kvsan import hooks
@@ -568,6 +580,8 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request(native):
     the Request goes (the C callback, bound to the chains dict); an entry a
     newer Request under the same id replaced stays.  One object per request
     (the garbage collector tracks no entry or reference of its own)."""
+    if native and not _c_chains_apply():
+        pytest.skip("the C identity paths leave this vLLM's token buffers to Python")
     import gc
     import sys
 

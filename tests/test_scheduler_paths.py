@@ -42,15 +42,14 @@ def request(rid, tail):
 def model_output(sched, out):
     """One sampled token per scheduled request whose prompt is done (the
     worker ran every scheduled request, aborted ones included)."""
-    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm_objects import model_runner_output
 
     ids = list(out.num_scheduled_tokens)
     sampled = []
     for rid in ids:
         r = sched.requests.get(rid)
         sampled.append([5] if r is not None and r.num_computed_tokens >= r.num_tokens else [])
-    return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                             sampled_token_ids=sampled)
+    return model_runner_output(ids, sampled)
 
 
 def running(*rids, token=800):

@@ -96,3 +96,17 @@ def schedule(manager: KVCacheManager, request: Request, num_new_tokens: int | No
     assert blocks is not None, "pool exhausted"
     request.num_computed_tokens = num_hit + n
     return num_hit
+
+
+def model_runner_output(ids: list[str], sampled: list[list[int]]):
+    """vLLM's ``ModelRunnerOutput`` for the requests ``ids`` (one sampled
+    list each).  vLLM 0.30 to 0.33 take the id -> index map as a field;
+    0.34 derives it and has no such field."""
+    import dataclasses
+
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    kw = {}
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **kw)
