@@ -21,6 +21,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VER=${1:?usage: scripts/setup_lane.sh <python version, e.g. 3.12> [venv dir]}
+# (vllm 0.32.0 is published for CPython 3.11 and later only)
 VENV=${2:-.venv-$VER}
 # the engine release kvsan's adapter is written against (pyproject.toml's
 # cpu extra pins the CPU wheel of the same release); it pins its torch
@@ -57,7 +58,12 @@ PY=$(find_python)
 # interpreter's ABI, beside .venv's), the test tools, and the CUDA build of
 # the engine with the torch it pins
 "$VENV/bin/python" -m pip install -q -e '.[test]' "$VLLM_SPEC"
-# the C modules again, profile-guided where that works on this interpreter
-# (plain otherwise: see the script)
-"$VENV/bin/python" scripts/build_native.py
+# the C modules again, profile-guided, where they are built whole: on
+# CPython 3.11 (where .venv has them already) _frames reads the frame
+# layout and the native hooks build on it.  Elsewhere _frames is an empty
+# module, build_native.py's check that every native path loads cannot
+# pass, and the editable install's plain build of the other modules stays.
+if "$VENV/bin/python" -c 'import sys, kvsan._frames as f; sys.exit(not f.AVAILABLE)' 2>/dev/null; then
+  "$VENV/bin/python" scripts/build_native.py
+fi
 echo "$want" > "$stamp"
