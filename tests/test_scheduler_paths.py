@@ -248,7 +248,9 @@ def test_hit_checks_in_c_and_a_bad_key_still_reported(rt, monkeypatch):
         step()
     sched.add_request(bad_request("X", 902))  # other tokens, the same hashes as Q's
     step()
-    if hook is not None:
+    # (the C paths take token ids kept in a list; vLLM 0.34's TokenBuffer is
+    # left to the Python ones, which must report the same)
+    if hook is not None and type(request("t", [1])._all_token_ids) is list:
         assert hook.identity is not None and hook.calls - calls >= 2  # C took C1, C2
     v = only(rt, "cache_key_mismatch")
     assert {tuple(x.owners) for x in v} == {("Q", "X")} and all(x.actor == "X" for x in v)
