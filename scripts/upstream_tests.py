@@ -438,10 +438,10 @@ def run_suite(python: str, dest: str, suite: str, run: str) -> float:
         env.update(KVSAN="1", KVSAN_MODE="raise", KVSAN_REPORT=report)
         if os.path.exists(report):
             os.unlink(report)
-    # (a failure's captured stderr goes into the XML: the root cause of an
-    # engine that did not start is printed by its EngineCore process)
+    # (a failure's captured output goes into the XML: the root cause of an
+    # engine that did not start is printed by its EngineCore or worker process)
     cmd = [python, "-m", "pytest", suite, "-q", "-p", SHIM, "-p", "no:cacheprovider",
-           f"--junitxml={os.path.join(dest, run + '.xml')}", "-o", "junit_logging=system-err",
+           f"--junitxml={os.path.join(dest, run + '.xml')}", "-o", "junit_logging=all",
            "-o", "junit_log_passing_tests=False"]
     t0 = time.monotonic()
     with open(os.path.join(dest, run + ".log"), "w") as log:
@@ -456,7 +456,7 @@ class Case:
     nodeid: str
     status: str  # passed, failed, error, skipped
     message: str = ""
-    #: the traceback and, for a failure, its captured stderr
+    #: the traceback and, for a failure, its captured output
     detail: str = ""
 
 
@@ -483,7 +483,8 @@ def read_junit(path: str) -> dict[str, Case]:
             if el is not None:
                 status = {"failure": "failed"}.get(tag, tag)
                 message = el.get("message") or (el.text or "").strip()
-                detail = "\n".join(e.text or "" for e in (el, tc.find("system-err"))
+                detail = "\n".join(e.text or "" for e in (el, tc.find("system-out"),
+                                                         tc.find("system-err"))
                                    if e is not None)
                 break
         c = Case(_nodeid(tc), status, message, detail)
