@@ -538,6 +538,9 @@ def failure_reason(c: Case) -> str:
         m = re.search(pat, text)
         if m:
             return f"needs `{m.group(1)}` from the model hub (offline run)"
+    m = re.search(r"Cannot find any model weights with `[^`]*models--([^/`]+?)--([^/`]+)/", text)
+    if m:  # (.upstream/hf holds configs only)
+        return f"needs the weights of `{m.group(1)}/{m.group(2)}` (offline run)"
     if "LocalEntryNotFoundError" in text or "outgoing traffic has been disabled" in text:
         return "needs files from the model hub (offline run)"
     return first_line(c.message)

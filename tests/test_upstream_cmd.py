@@ -141,6 +141,15 @@ def test_unpack_extracts_only_tests(tmp_path, monkeypatch):
         assert "    cpu_test: x\n" in f.read()
 
 
+def test_failure_reasons():
+    weights = up.Case("t", "failed", "RuntimeError: Engine core initialization failed.",
+                      "(Worker pid=1) ERROR RuntimeError: Cannot find any model weights with "
+                      "`/r/.upstream/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/000`")
+    assert up.failure_reason(weights) == "needs the weights of `Qwen/Qwen3-0.6B` (offline run)"
+    other = up.Case("t", "failed", "AssertionError: 1 == 2\nmore")
+    assert up.failure_reason(other) == "AssertionError: 1 == 2"
+
+
 def test_shim_compiles():
     compile(up.SHIM_SOURCE, up.SHIM + ".py", "exec")
 
