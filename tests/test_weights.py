@@ -205,3 +205,25 @@ def test_one_adapter_under_two_names_or_ids_is_clean(eng, rt, tmp_path):
     run(eng, "B", PREFIX + [2], LoRARequest("chat", 4, path))  # another id: a prefix hit
     run(eng, "C", PREFIX + [3], LoRARequest("assistant", 5, path))  # another name: no hit
     assert rt.violations() == []
+
+
+def test_a_wake_up_that_leaves_the_weights_asleep_costs_no_fingerprint(monkeypatch):
+    """``wake_up(tags=["kv_cache"])`` (what ``release_kv_cache_memory``
+    undoes) cannot change weights; a wake-up of the weights, or of
+    everything, may."""
+    from kvsan.hooks.vllm import weights as vllm_weights
+
+    calls = []
+    monkeypatch.setattr(vllm_weights, "_guarded", lambda why, inst, **kw: calls.append(why))
+    for args, kwargs in (((), {"tags": ["kv_cache"]}), ((["scheduling"],), {}),
+                         ((), {}), ((), {"tags": ["weights"]}), ((None,), {})):
+        vllm_weights._wake_up(lambda *a, **k: True, object(), args, kwargs)
+    assert calls == ["wake_up"] * 3
+
+
+def test_an_executor_answer_that_is_not_one_per_rank_is_no_fingerprint():
+    from kvsan.hooks.vllm.weights import _combine
+
+    assert _combine(object()) == (None, None)
+    assert _combine([(b"q", b"f"), None]) == (None, None)
+    assert _combine([[b"q", None], (b"r", b"g")]) == (b"qr", None)

@@ -148,8 +148,10 @@ def _storage(t) -> int:
 
 
 def _combine(answers) -> tuple[bytes | None, bytes | None]:
-    """Every rank's (quick, full) in one: None when any rank had no model."""
-    if not answers or any(a is None for a in answers):
+    """Every rank's (quick, full) in one: None when any rank had no model
+    (or the executor answered something other than one result per rank)."""
+    if not isinstance(answers, (list, tuple)) or not answers or any(
+            not isinstance(a, (tuple, list)) or len(a) != 2 for a in answers):
         return None, None
     quick = b"".join(a[0] for a in answers)
     full = None if any(a[1] is None for a in answers) else b"".join(a[1] for a in answers)
@@ -214,8 +216,14 @@ def _set_weight_version(wrapped, instance, args, kwargs):
 
 
 def _wake_up(wrapped, instance, args, kwargs):
+    """A wake-up that restores weights may bring others than went to sleep.
+    One whose tags leave the weights out (``["kv_cache"]``, what
+    ``release_kv_cache_memory`` undoes; ``["scheduling"]``) cannot change
+    them, and costs no fingerprint."""
     ret = wrapped(*args, **kwargs)
-    _guarded("wake_up", instance)
+    tags = kwargs.get("tags", args[0] if args else None)
+    if tags is None or "weights" in tags:
+        _guarded("wake_up", instance)
     return ret
 
 
