@@ -67,6 +67,10 @@ def _prompt_sent_wrong(wrapped, instance, args, kwargs):
 
 #: what :func:`_scribble_sealed` did, once per process: (block, request)
 _scribbled: list = []
+#: the worker rank a worker fault is limited to (``@rankN``), or None:
+#: checked when the fault fires, against the rank kvsan then knows (a Ray
+#: worker's is known only once its runner is hooked)
+_only_rank: int | None = None
 
 
 def _scribble_sealed(wrapped, instance, args, kwargs):
@@ -78,7 +82,7 @@ def _scribble_sealed(wrapped, instance, args, kwargs):
     its own) gets +1 in layer 0, before the step's forward.  Once per
     process; with ``@rankN`` only in that worker (:func:`target`).  The
     block and its request go to the report as ``kvsan.fault_applied``."""
-    if not _scribbled:
+    if not _scribbled and _rank_matches():
         so = args[0] if args else kwargs["scheduler_output"]
         cr = so.scheduled_cached_reqs
         bs = instance.cache_config.block_size
@@ -103,6 +107,16 @@ def _scribble_sealed(wrapped, instance, args, kwargs):
                                       block=blocks[i], request=rid)
                 break
     return wrapped(*args, **kwargs)
+
+
+def _rank_matches() -> bool:
+    """Whether this worker is the one ``@rankN`` names (any, without it)."""
+    if _only_rank is None:
+        return True
+    from ... import runtime as _rt
+
+    rt = _rt.get()
+    return rt is not None and rt.rank == _only_rank
 
 
 FAULTS = {
@@ -150,7 +164,13 @@ def applies(spec: str, role: str, rank: int) -> bool:
     name, only_rank = target(spec)
     if name not in WORKER_FAULTS:
         return role != "worker"
-    return only_rank is None or only_rank == rank
+    if only_rank is None or only_rank == rank:
+        return True
+    # a Ray actor's process name carries no rank: the fault decides when it
+    # fires, once the runner told kvsan the rank (:func:`_rank_matches`)
+    from .processes import ray_actor_class
+
+    return role == "worker" and ray_actor_class() is not None
 
 _active: list[tuple[object, str, object]] = []
 
@@ -188,13 +208,15 @@ def inject(name: str, only: str | None = None) -> None:
         import os
 
         only = os.environ.get("KVSAN_INJECT_ONLY", "").strip() or None
-    name = target(name)[0]
+    global _only_rank
+    name, rank = target(name)
     if name not in FAULTS:
         raise ValueError(
             f"KVSAN_INJECT={name!r} is not a built-in fault; accepted: {', '.join(FAULTS)}"
         )
     if _active:
         return  # one fault per process (a forked child inherits it)
+    _only_rank = rank
     module, qualname, wrapper = FAULTS[name]
     import importlib
 
@@ -219,3 +241,5 @@ def clear() -> None:
         if cls is not None:
             setattr(cls, attr, original)
     _scribbled.clear()
+    global _only_rank
+    _only_rank = None

@@ -7,12 +7,25 @@ parent is its engine's EngineCore), an API server of several
 ``ApiServer_N``.  kvsan labels every record and metric with the role,
 engine and rank read here (:func:`kvsan.runtime.set_process_names`); a
 worker whose runner kvsan hooks confirms them from vLLM's parallel state.
+
+Under Ray, vLLM's workers and data-parallel EngineCores are Ray actors:
+their processes are Ray's, named ``MainProcess``.  There the role is read
+from the class of the actor the process hosts (:data:`RAY_ACTORS`); the
+rank from vLLM's parallel state, once the runner is hooked.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import re
+import sys
+
+#: vLLM's Ray actor classes, by the role of the process that hosts one:
+#: the workers of its Ray executors (``ray_executor.RayWorkerWrapper``,
+#: ``ray_executor_v2.RayWorkerProc``) and the EngineCores of its Ray
+#: data-parallel launcher (``engine.core``)
+RAY_ACTORS = {"RayWorkerWrapper": "worker", "RayWorkerProc": "worker",
+              "EngineCoreActor": "engine", "DPMoEEngineCoreActor": "engine"}
 
 
 def _trailing(pattern: str, name: str | None) -> int | None:
@@ -27,7 +40,23 @@ def role() -> str:
         return "worker"
     if name.startswith("EngineCore"):
         return "engine"
-    return "frontend"
+    return RAY_ACTORS.get(ray_actor_class() or "", "frontend")
+
+
+def ray_actor_class() -> str | None:
+    """The class name of the Ray actor this process hosts; None outside
+    one (or where Ray is not imported: only an actor process has it)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not getattr(ray, "is_initialized", lambda: False)():
+        return None
+    try:
+        ctx = ray.get_runtime_context()
+        if ctx.get_actor_id() is None:
+            return None
+        # (no public accessor for the class: the handle's descriptor has it)
+        return ctx.current_actor._ray_actor_creation_function_descriptor.class_name
+    except Exception:  # noqa: BLE001 - a Ray without it: no Ray role
+        return None
 
 
 def identity(role: str) -> tuple[int, int]:

@@ -1,0 +1,71 @@
+"""Ray on the real engine: vLLM's Ray executor (``distributed_executor_backend
+="ray"``, its ``RayWorkerProc`` actors) with ``tensor_parallel_size=2`` on the
+CPU build, through a test-only shim that gives vLLM's CPU platform a Ray
+resource (``tests/ray_child.py`` says what it changes and why).  kvsan must
+reach the Ray workers only through the variables vLLM copies to them, load
+there as a worker, run its device checks on each rank's shard, and name the
+rank in what it reports."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvsan.harness.demo import _traffic_stats
+from kvsan.reportfile import read_records, violations
+
+pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+CHILD = os.path.join(os.path.dirname(__file__), "ray_child.py")
+
+
+@pytest.fixture(scope="module")
+def ray_run(tmp_path_factory):
+    """One engine run on a local Ray cluster: clean shared-prefix traffic,
+    and a scribble into a sealed block of rank 1's shard only
+    (``scribble_sealed@rank1``), found in its step (``KVSAN_CHECKSUM=all``)."""
+    from kvsan.harness.tinymodel import ensure_tiny_model
+
+    report = tmp_path_factory.mktemp("ray")
+    env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=str(report) + os.sep,
+               KVSAN_CHECKSUM="all", KVSAN_INJECT="scribble_sealed@rank1",
+               VLLM_CPU_OMP_THREADS_BIND="0|1")
+    for var in ("KVSAN_INJECT_ONLY", "VLLM_ENABLE_V1_MULTIPROCESSING", "RAY_ADDRESS"):
+        env.pop(var, None)
+    proc = subprocess.run([sys.executable, CHILD, ensure_tiny_model()], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(report), _traffic_stats(proc.stdout)
+
+
+def events(report, name):
+    return [r for r in read_records(report) if r.get("event") == name]
+
+
+def test_kvsan_loads_in_each_ray_worker_as_a_worker(ray_run):
+    report, stats = ray_run
+    assert stats["finished"] > 0 and stats["aborted"] > 0 and stats["cached_tokens"] > 0
+    # the Ray cluster's own processes never saw KVSAN: what the workers have
+    # came through vLLM's copy of the driver's variables
+    assert stats["kvsan_inherited_by_ray"] is None
+    got = sorted((r["role"], r["engine"]) for r in events(report, "kvsan.installed"))
+    assert got == [("engine", 0), ("frontend", 0), ("worker", 0), ("worker", 0)]
+    # each rank (confirmed from vLLM's parallel state) checks its own shard
+    on = events(report, "kvsan.device_on")
+    assert sorted((r["role"], r["rank"], r["write_guard"], r["input_tokens"]) for r in on) == [
+        ("worker", 0, True, "recorded"), ("worker", 1, True, "recorded")]
+    assert len({r["pid"] for r in on}) == 2 and {r["num_blocks"] for r in on} == {24}
+    assert events(report, "kvsan.internal_error") == []
+
+
+def test_a_scribble_on_ray_rank_1_is_reported_by_rank_1_only(ray_run):
+    report, _ = ray_run
+    (fault,) = events(report, "kvsan.fault_applied")
+    assert (fault["role"], fault["rank"]) == ("worker", 1)
+    found = violations(report)
+    assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
+            for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
+                                 "worker", 0, 1)], found
