@@ -3,6 +3,7 @@ pure-Python paths they shortcut: the same seeded traffic, with faults mixed
 in, on vLLM's real KVCacheManager, run once with each; the violations, the
 whole shadow table and the worker journal must be identical."""
 
+import contextlib
 import random
 import sys
 
@@ -60,6 +61,17 @@ def _table_state(ck) -> dict:
     }
 
 
+@contextlib.contextmanager
+def acting_for(rt, owner: str, what: str):
+    """Pool calls inside act for ``owner``; the entry leaves the stack even
+    when vLLM raises (after a fault), so no later call is charged to it."""
+    rt.owner_ctx.append((owner, what))
+    try:
+        yield
+    finally:
+        rt.owner_ctx.pop()
+
+
 def _drive(rt, seed: int, faults: bool) -> dict:
     """Seeded traffic on a fresh manager (request ids fixed by the seed),
     optionally with faults: stray count changes, a touch without a
@@ -109,16 +121,14 @@ def _drive(rt, seed: int, faults: bool) -> dict:
                     blocks = [b for b in m.coordinator.single_type_managers[0]
                               .req_to_blocks[r.request_id] if not b.is_null]
                     holder = (f"h{seed}-{i}", blocks)
-                    rt.owner_ctx.append((holder[0], "alloc"))
-                    pool.touch(blocks[: len(blocks) // 2])
-                    pool.touch(blocks[len(blocks) // 2:])
-                    rt.owner_ctx.pop()
+                    with acting_for(rt, holder[0], "alloc"):
+                        pool.touch(blocks[: len(blocks) // 2])
+                        pool.touch(blocks[len(blocks) // 2:])
                 else:  # and drops them a part at a time, the last part last
                     owner, blocks = holder
                     part, rest = blocks[: max(1, len(blocks) // 2)], blocks[max(1, len(blocks) // 2):]
-                    rt.owner_ctx.append((owner, "free"))
-                    pool.free_blocks(part)
-                    rt.owner_ctx.pop()
+                    with acting_for(rt, owner, "free"):
+                        pool.free_blocks(part)
                     holder = (owner, rest) if rest else None
             elif op < 0.9 or not faults:
                 m.evict_blocks({rng.randrange(1, 32)})
@@ -142,9 +152,8 @@ def _drive(rt, seed: int, faults: bool) -> dict:
             trace.append((i, "engine raised", type(e).__name__))
         journal.append(ck.journal.take())
     if holder is not None:
-        rt.owner_ctx.append((holder[0], "free"))
-        pool.free_blocks(holder[1])
-        rt.owner_ctx.pop()
+        with acting_for(rt, holder[0], "free"):
+            pool.free_blocks(holder[1])
         journal.append(ck.journal.take())
     refs = [b.ref_cnt for b in pool.blocks]
     linked = [b.prev_free_block is not None for b in pool.blocks]
