@@ -197,7 +197,8 @@ class AllocatorChecker:
         sh = self.shadow
         step = self.step()
         sid = sh.site_id(site)
-        self._counters["shared"] += len(obs)
+        if obs:  # (no key for nothing shared: the native table adds none either)
+            self._counters["shared"] += len(obs)
         null = sh.null
         sh.acquire([o[0] for o in obs if o[0] not in null], owner, step, sid)
         nown, mism = sh.nown, self._mismatched
