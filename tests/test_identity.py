@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from conftest import kinds_of
+from conftest import SPEEDUPS, SPEEDUPS_WHY, kinds_of
 from vllm_objects import BLOCK, make_manager
 
 pytestmark = pytest.mark.engine
@@ -396,8 +396,8 @@ def test_native_token_links_equal_the_python_chain():
 
     from kvsan.checks import identity
 
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS:
+        pytest.skip(SPEEDUPS_WHY)
     from kvsan._tokenlinks import links
 
     rng = random.Random(7)
@@ -476,8 +476,8 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
 
     if not native:
         pytest.skip("a check of the C path")
-    if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS or hooks.SHADOWFAST is None:
+        pytest.skip(SPEEDUPS_WHY)
     from kvsan._tokenlinks import Links
 
     toks = list(range(10_000, 10_000 + 6 * BLOCK))
@@ -545,8 +545,8 @@ def test_known_chain_matches_the_python_chain():
     request, a new Request object under a known id, multimodal input."""
     import sys
 
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS:
+        pytest.skip(SPEEDUPS_WHY)
     from kvsan._tokenlinks import known_chain
     from kvsan.checks import identity
     from kvsan.hooks.vllm import identity as vllm_identity
@@ -585,8 +585,8 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request(native):
     import gc
     import sys
 
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS:
+        pytest.skip(SPEEDUPS_WHY)
     if not native:
         pytest.skip("the C paths' chains (with KVSAN_NATIVE=0 the Python reaper is in use)")
     from kvsan._tokenlinks import known_chain
@@ -680,8 +680,8 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
 
     if not native:
         pytest.skip("a check of the C path (the Python one reads attributes)")
-    if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS or hooks.SHADOWFAST is None:
+        pytest.skip(SPEEDUPS_WHY)
     fast = hooks.SHADOWFAST
     static, salted = (b"l" * 16, b"s" * 16), (b"l" * 16, b"t" * 16)
     blocks = []
