@@ -5,7 +5,6 @@ failures.  tests/test_native.py compares the whole shadow table and the
 journal of seeded traffic with faults between this route and the pure-Python
 one."""
 
-import sys
 
 import pytest
 

@@ -392,7 +392,6 @@ def test_native_token_links_equal_the_python_chain():
     the Python chain, on edge values (ints past the hash modulus, negative
     ones, -1, a short last block, an empty range)."""
     import random
-    import sys
 
     from kvsan.checks import identity
 
@@ -467,7 +466,6 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
     are the same inputs, each way, and the C hit check tells a Links
     producer from a list consumer's tokens as the Python check does."""
     import gc
-    import sys
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -543,7 +541,6 @@ def test_known_chain_matches_the_python_chain():
     known text-only request's chain) gives the chain the Python ``_chain``
     builds, and declines (None) what it must leave to Python: an unknown
     request, a new Request object under a known id, multimodal input."""
-    import sys
 
     if not SPEEDUPS:
         pytest.skip(SPEEDUPS_WHY)
@@ -583,7 +580,6 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request(native):
     if native and not _c_chains_apply():
         pytest.skip("the C identity paths leave this vLLM's token buffers to Python")
     import gc
-    import sys
 
     if not SPEEDUPS:
         pytest.skip(SPEEDUPS_WHY)
@@ -671,7 +667,6 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
     modified since (its offsets resolved again), and for a look-alike object
     of another class: a static-digest mismatch and a token mismatch found,
     a matching chain passing."""
-    import sys
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
