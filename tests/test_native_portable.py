@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 from conftest import SPEEDUPS, SPEEDUPS_WHY
 
 pytestmark = pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
