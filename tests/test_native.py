@@ -496,8 +496,8 @@ def test_importing_switches_nothing_on_installing_does(on, native_paths):
     state = json.loads(got.stdout.strip().splitlines()[-1])
     assert state["imported"] == [False] * 5
     if on and not native_paths:
-        # another CPython: no frame reader (it reads 3.11's frame layout) and
-        # so no native hooks; the other modules are in use where they built
+        # a CPython they are not built for: no frame reader and so no native
+        # hooks; the other modules are in use where they built
         assert state["installed"][0] is False and state["installed"][2] is False
     else:
         assert state["installed"] == [on] * 5

@@ -43,7 +43,7 @@ def test_modules_built_available_and_of_the_called_abi(native):
     assert _frames.AVAILABLE and _frames.ABI == native.FRAMES_ABI
     assert _frames.ROUTE == ("internal" if sys.version_info[:2] == (3, 11) else "public")
     assert _shadowfast.AVAILABLE and _shadowfast.ABI == native.SHADOWFAST_ABI
-    assert _hookfast.ABI == native.HOOKFAST_ABI and getattr(_hookfast, "AVAILABLE", 1)
+    assert _hookfast.AVAILABLE and _hookfast.ABI == native.HOOKFAST_ABI
     assert _tokenlinks.AVAILABLE and identity.use_native(True)
     assert native.NATIVE is _frames and native.SHADOWFAST is _shadowfast
     assert native.HOOKFAST is _hookfast

@@ -159,7 +159,7 @@ def test_connector_delayed_frees_are_legal(rt):
 def test_connector_delayed_free_that_leaks(rt):
     """The late free of D2 drops nothing: reported as a leak of D2's blocks
     in the step the engine forgot them, not after the grace period.  The
-    native UPDATE hook (CPython 3.11) lets the quiet steps through and hands
+    native UPDATE hook (CPython 3.10 to 3.13) lets the quiet steps through and hands
     the steps with a delayed free pending to the Python check."""
     from vllm.v1.core.sched.scheduler import Scheduler
 

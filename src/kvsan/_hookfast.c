@@ -2724,6 +2724,7 @@ PyInit__hookfast(void)
     }
     if (PyModule_AddObjectRef(m, "Hook", (PyObject *)&HookType) < 0
         || PyModule_AddIntConstant(m, "ABI", KVSAN_HOOKFAST_ABI) < 0
+        || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0
         || PyModule_AddIntConstant(m, "ALLOCATE", K_ALLOCATE) < 0
         || PyModule_AddIntConstant(m, "TOUCH", K_TOUCH) < 0
         || PyModule_AddIntConstant(m, "RELEASE", K_RELEASE) < 0
