@@ -150,8 +150,9 @@ frame_lasti(frame_t f)
 {
 #if PY_VERSION_HEX >= 0x030B0000
     return PyFrame_GetLasti(f);
-#else /* CPython 3.10: f_lasti counts code units */
-    return f->f_lasti < 0 ? -1 : f->f_lasti * (int)sizeof(_Py_CODEUNIT);
+#else /* CPython 3.10: f_lasti counts code units, of 2 bytes each (as
+       * frame.f_lasti converts it) */
+    return f->f_lasti < 0 ? -1 : f->f_lasti * 2;
 #endif
 }
 #endif
