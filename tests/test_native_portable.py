@@ -302,6 +302,16 @@ def test_property_read_as_a_slot_only_when_python_says_so(native):
     assert _shadowfast.slot_reads(Block(1)) == fields
     assert _shadowfast.slot_reads(Computed(2)) == fields[:-1]
 
+    class Hidden(Block):  # the slot the getter reads hidden behind a property
+        __slots__ = ()
+
+        @property
+        def _block_hash(self):
+            return b"other"
+
+    h = object.__new__(Hidden)  # (its __init__ cannot set _block_hash)
+    assert _shadowfast.slot_reads(h) == fields[:-1] and h.block_hash == b"other"
+
 
 # ----------------------------------------------------------- token links
 @pytest.mark.parametrize("tokens", [

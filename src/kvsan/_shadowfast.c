@@ -63,15 +63,17 @@ static PyObject *prop_slots = NULL;
 static PyObject *
 registered_slot(PyTypeObject *tp, PyObject *prop)
 {
-    (void)tp; /* (slot_member_offset checks that the member is one of tp's) */
     if (prop_slots == NULL) {
         return NULL;
     }
     PyObject *d = PyDict_GetItemWithError(prop_slots, prop); /* borrowed */
     if (d == NULL) {
         PyErr_Clear();
+        return NULL;
     }
-    return d;
+    /* only where the getter's ``self.<slot>`` is that member on this type
+     * too (a subclass may hide the slot behind something else) */
+    return slots_type_lookup(tp, PyDescr_NAME(d)) == d ? d : NULL;
 }
 
 /* the block type's offsets (kvsan/_slots.h), with ``block_hash``'s property

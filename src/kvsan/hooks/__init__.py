@@ -327,9 +327,8 @@ def use_native(on: bool = True) -> bool:
 #: :func:`property_slot`
 _PROPERTY_SLOTS: dict = {}
 
-#: the instructions of ``return self.<name>``, whatever the CPython
-#: (3.10: none of the first; 3.11: RESUME; 3.12, 3.13: RESUME, and no CACHE
-#: entries in ``dis``' listing)
+#: instructions ``dis`` may list around ``return self.<name>`` that do
+#: nothing (RESUME from 3.11 on, inline CACHE entries, NOP, EXTENDED_ARG)
 _GETTER_SKIP = frozenset({"RESUME", "NOP", "CACHE", "EXTENDED_ARG"})
 
 
