@@ -1,13 +1,16 @@
 """Build of kvsan's optional C speed-ups (everything else is in pyproject.toml).
 
-``kvsan._frames`` reads the engine's call context from CPython 3.11's frame
-stack; ``kvsan._shadowfast`` applies clean allocator events to the shadow
+``kvsan._frames`` reads the engine's call context from the interpreter's
+frame stack (CPython 3.11: its internal frame records; 3.10, 3.12, 3.13: the
+public frame API); ``kvsan._shadowfast`` applies clean allocator events to the shadow
 table; ``kvsan._tokenlinks`` computes the identity audit's token chain;
 ``kvsan._devicefast`` runs the worker's write guard and checksums over host
 memory; ``kvsan._hookfast`` runs the hottest BlockPool hooks without a Python
 frame.
-All are optional: where they cannot be built (no compiler, another
-Python), kvsan runs its pure-Python paths, which give the same results.
+All use CPython's public C API but for _frames on 3.11, and build on CPython
+3.10 to 3.13.  All are optional: where they cannot be built (no compiler,
+another Python), kvsan runs its pure-Python paths, which give the same
+results.
 """
 
 from setuptools import Extension, setup

@@ -71,7 +71,10 @@ def _build(cflags: str = "", ldflags: str = "") -> None:
 
 def _run(code: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONPATH=str(ROOT))
+    # (ROOT/src first: the modules just built are the ones trained and checked,
+    # also where kvsan is installed from another checkout)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(ROOT)]))
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 

@@ -59,10 +59,11 @@ PY=$(find_python)
 # the engine with the torch it pins
 "$VENV/bin/python" -m pip install -q -e '.[test]' "$VLLM_SPEC"
 # the C modules again, profile-guided, where they are built whole: on
-# CPython 3.11 (where .venv has them already) _frames reads the frame
-# layout and the native hooks build on it.  Elsewhere _frames is an empty
-# module, build_native.py's check that every native path loads cannot
-# pass, and the editable install's plain build of the other modules stays.
+# CPython 3.10 to 3.13 (_frames reads 3.11's frame records there, the
+# public frame API elsewhere; docs/design.md: Native modules).  Where
+# _frames did not build (no compiler, another Python), build_native.py's
+# check that every native path loads cannot pass, and the editable
+# install's plain build of the other modules stays.
 if "$VENV/bin/python" -c 'import sys, kvsan._frames as f; sys.exit(not f.AVAILABLE)' 2>/dev/null; then
   "$VENV/bin/python" scripts/build_native.py
 fi

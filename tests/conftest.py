@@ -6,6 +6,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+#: kvsan's C speed-ups are written for (and built whole on) these CPythons:
+#: ``kvsan._frames`` reads 3.11's frame records there, the public frame API
+#: elsewhere (docs/design.md, Native modules)
+SPEEDUPS = (sys.implementation.name == "cpython" and (3, 10) <= sys.version_info[:2] <= (3, 13))
+SPEEDUPS_WHY = "kvsan's C speed-ups are built for CPython 3.10 to 3.13"
+
 
 def engine_unavailable() -> str | None:
     """Why vLLM's engine cannot start in this environment, or None where it
@@ -47,10 +53,8 @@ def native_paths():
     as in an engine with ``KVSAN=1``: importing kvsan switches nothing on,
     and the checks made in tests without installing kvsan would otherwise
     run only the Python paths, or not, depending on the order of tests.
-    Its value: whether all of them are built and in use (CPython 3.11; on
-    another CPython ``kvsan._frames``, which reads 3.11's frame layout, and
-    the native hooks that build on it are not, while the other modules may
-    be), for tests that check what only the full set does."""
+    Its value: whether all of them are built and in use (CPython 3.10 to
+    3.13), for tests that check what only the full set does."""
     from kvsan import hooks
 
     return hooks.use_native(True)

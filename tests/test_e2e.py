@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import SPEEDUPS
+
 from kvsan import completeness
 from kvsan.config import ABORT_EXIT_CODE
 from kvsan.harness.demo import run_once
@@ -51,7 +53,7 @@ def test_clean_traffic_has_zero_violations(model, tmp_path, in_process, capfd, t
             for r in on] == [("frontend" if in_process else "worker", True, "recorded", True,
                               True)]
     assert kvsan_check(str(tmp_path)).returncode == 0
-    if sys.version_info[:2] == (3, 11):  # with its C speed-ups, in every process
+    if SPEEDUPS:  # with its C speed-ups, in every process
         assert all(r["native"] is True for r in installed(str(tmp_path)))
     capfd.readouterr()
     assert_check_fails_closed(tmp_path, tmp_path_factory.mktemp("copies"), capfd,

@@ -5,16 +5,14 @@ failures.  tests/test_native.py compares the whole shadow table and the
 journal of seeded traffic with faults between this route and the pure-Python
 one."""
 
-import sys
 
 import pytest
 
-from conftest import as_owner, kinds_of, only
+from conftest import SPEEDUPS, SPEEDUPS_WHY, as_owner, kinds_of, only
 from vllm_objects import make_manager, make_request, schedule
 
 pytestmark = [pytest.mark.engine,
-              pytest.mark.skipif(sys.version_info[:2] != (3, 11),
-                                 reason="the speed-ups are built for CPython 3.11")]
+              pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)]
 
 HOOKED = ("get_new_blocks", "touch", "free_blocks", "cache_full_blocks")
 

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 
-from conftest import kinds_of
+from conftest import SPEEDUPS, SPEEDUPS_WHY, kinds_of
 from vllm_objects import BLOCK, make_manager
 
 pytestmark = pytest.mark.engine
@@ -392,12 +392,11 @@ def test_native_token_links_equal_the_python_chain():
     the Python chain, on edge values (ints past the hash modulus, negative
     ones, -1, a short last block, an empty range)."""
     import random
-    import sys
 
     from kvsan.checks import identity
 
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS:
+        pytest.skip(SPEEDUPS_WHY)
     from kvsan._tokenlinks import links
 
     rng = random.Random(7)
@@ -467,7 +466,6 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
     are the same inputs, each way, and the C hit check tells a Links
     producer from a list consumer's tokens as the Python check does."""
     import gc
-    import sys
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -476,8 +474,8 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
 
     if not native:
         pytest.skip("a check of the C path")
-    if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS or hooks.SHADOWFAST is None:
+        pytest.skip(SPEEDUPS_WHY)
     from kvsan._tokenlinks import Links
 
     toks = list(range(10_000, 10_000 + 6 * BLOCK))
@@ -543,10 +541,9 @@ def test_known_chain_matches_the_python_chain():
     known text-only request's chain) gives the chain the Python ``_chain``
     builds, and declines (None) what it must leave to Python: an unknown
     request, a new Request object under a known id, multimodal input."""
-    import sys
 
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS:
+        pytest.skip(SPEEDUPS_WHY)
     from kvsan._tokenlinks import known_chain
     from kvsan.checks import identity
     from kvsan.hooks.vllm import identity as vllm_identity
@@ -583,10 +580,9 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request(native):
     if native and not _c_chains_apply():
         pytest.skip("the C identity paths leave this vLLM's token buffers to Python")
     import gc
-    import sys
 
-    if sys.version_info[:2] != (3, 11):
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS:
+        pytest.skip(SPEEDUPS_WHY)
     if not native:
         pytest.skip("the C paths' chains (with KVSAN_NATIVE=0 the Python reaper is in use)")
     from kvsan._tokenlinks import known_chain
@@ -671,7 +667,6 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
     modified since (its offsets resolved again), and for a look-alike object
     of another class: a static-digest mismatch and a token mismatch found,
     a matching chain passing."""
-    import sys
 
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
@@ -680,8 +675,8 @@ def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
 
     if not native:
         pytest.skip("a check of the C path (the Python one reads attributes)")
-    if sys.version_info[:2] != (3, 11) or hooks.SHADOWFAST is None:
-        pytest.skip("the speed-ups are built for CPython 3.11")
+    if not SPEEDUPS or hooks.SHADOWFAST is None:
+        pytest.skip(SPEEDUPS_WHY)
     fast = hooks.SHADOWFAST
     static, salted = (b"l" * 16, b"s" * 16), (b"l" * 16, b"t" * 16)
     blocks = []

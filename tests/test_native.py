@@ -9,12 +9,11 @@ import sys
 
 import pytest
 
-from conftest import kinds_of
+from conftest import SPEEDUPS, SPEEDUPS_WHY, kinds_of
 from vllm_objects import make_manager, make_request, schedule
 
 pytestmark = pytest.mark.engine
 
-PY311 = sys.version_info[:2] == (3, 11)
 
 
 @pytest.fixture
@@ -25,13 +24,16 @@ def native_switch(rt):
     hooks.use_native(rt.config.native)
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_speedups_are_built_and_in_use(rt):
     """The package build compiles both modules here (CI would otherwise
     measure and test only the Python paths without noticing)."""
     from kvsan import _frames, _shadowfast, hooks
 
-    assert _frames.AVAILABLE and _frames.ABI == 1 and _shadowfast.ABI == 11
+    assert _frames.AVAILABLE and _frames.ABI == hooks.FRAMES_ABI == 2
+    assert _shadowfast.ABI == hooks.SHADOWFAST_ABI == 12
+    # 3.11 keeps the walk over its internal frame records (faster there)
+    assert _frames.ROUTE == ("internal" if sys.version_info[:2] == (3, 11) else "public")
     assert rt.native and hooks.NATIVE is _frames and hooks.SHADOWFAST is _shadowfast
     m = make_manager(8)
     assert rt.checkers[m.block_pool].fast is not None
@@ -169,7 +171,7 @@ def _drive(rt, seed: int, faults: bool) -> dict:
     }
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
 def test_native_and_python_paths_agree(rt, native_switch, seed, faults):
@@ -187,7 +189,7 @@ def test_native_and_python_paths_agree(rt, native_switch, seed, faults):
     rt.clear()
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 @pytest.mark.parametrize("faults", [False, True], ids=["clean", "faults"])
 def test_direct_c_calls_and_python_methods_agree(rt, native_switch, faults):
     """_hookfast calls _frames' and _shadowfast's C functions directly (no
@@ -209,7 +211,7 @@ def test_direct_c_calls_and_python_methods_agree(rt, native_switch, faults):
     rt.clear()
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_native_call_context_matches_python(rt, native_switch):
     """Owner and call site as each reader sees them, from inside a real pool
     call made by vLLM's manager for request R (an owner frame)."""
@@ -241,7 +243,7 @@ def test_native_call_context_matches_python(rt, native_switch):
     assert kinds_of(rt) == []
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_native_pool_view_matches_python(rt, native_switch):
     """The full audit's view of a real pool (counts and free-queue flags),
     read in C and in Python, with owned, shared, cached-free and free
@@ -270,7 +272,7 @@ def test_native_pool_view_matches_python(rt, native_switch):
     m.free(b)
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_fast_table_does_not_keep_its_runtime_alive():
     """The C table holds the shadow, whose clock is the runtime's step
     method: runtime -> checker -> table -> shadow -> runtime is a cycle the
@@ -296,16 +298,17 @@ def test_fast_table_does_not_keep_its_runtime_alive():
     assert gone() is None
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_block_fields_read_as_slots(rt):
     """vLLM's ``KVCacheBlock`` fields are read as slots, ``block_hash``
     too (a property that only returns ``_block_hash``); a property that does
     anything more is read through the property, and gives its own answer."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvsan import _shadowfast
+    from kvsan import _shadowfast, hooks
 
     fields = ["block_id", "ref_cnt", "prev_free_block", "is_null", "pool", "block_hash"]
+    assert hooks.property_slot(KVCacheBlock, "block_hash") is KVCacheBlock._block_hash
     assert _shadowfast.slot_reads(KVCacheBlock(3)) == fields
 
     class Rehashed(KVCacheBlock):
@@ -315,11 +318,12 @@ def test_block_fields_read_as_slots(rt):
         def block_hash(self):
             return None if self._block_hash is None else self._block_hash
 
+    assert hooks.property_slot(Rehashed, "block_hash") is None
     assert _shadowfast.slot_reads(Rehashed(4)) == fields[:-1]
     assert _shadowfast.slot_reads(KVCacheBlock(5)) == fields
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_shared_owner_lists_are_not_left_to_the_collector(rt):
     """A prefix hit on blocks someone else owns files the new owner in
     ``own1``, further ones in ``more``; the lists the C table makes there
@@ -440,7 +444,7 @@ def test_many_sharers_released_in_any_order_agree_with_python(rt):
     assert out == [] and owners_of(fast_ck) == [[]] * 6
 
 
-@pytest.mark.skipif(not PY311, reason="the speed-ups are built for CPython 3.11")
+@pytest.mark.skipif(not SPEEDUPS, reason=SPEEDUPS_WHY)
 def test_call_sites_keep_their_ids_through_the_site_cache(rt):
     """The C table finds a call site's interned id through a small cache in
     front of the shadow's dict (two ways per set, by the str's address); a
@@ -501,8 +505,8 @@ def test_importing_switches_nothing_on_installing_does(on, native_paths):
     state = json.loads(got.stdout.strip().splitlines()[-1])
     assert state["imported"] == [False] * 5
     if on and not native_paths:
-        # another CPython: no frame reader (it reads 3.11's frame layout) and
-        # so no native hooks; the other modules are in use where they built
+        # a CPython they are not built for: no frame reader and so no native
+        # hooks; the other modules are in use where they built
         assert state["installed"][0] is False and state["installed"][2] is False
     else:
         assert state["installed"] == [on] * 5

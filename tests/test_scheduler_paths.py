@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import kinds_of, only
+from conftest import SPEEDUPS, kinds_of, only
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -159,7 +159,7 @@ def test_connector_delayed_frees_are_legal(rt):
 def test_connector_delayed_free_that_leaks(rt):
     """The late free of D2 drops nothing: reported as a leak of D2's blocks
     in the step the engine forgot them, not after the grace period.  The
-    native UPDATE hook (CPython 3.11) lets the quiet steps through and hands
+    native UPDATE hook (CPython 3.10 to 3.13) lets the quiet steps through and hands
     the steps with a delayed free pending to the Python check."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -170,7 +170,7 @@ def test_connector_delayed_free_that_leaks(rt):
     sched = scheduler()
     sched.defer_block_free = False
     _connector_delayed(sched, leak="D2")
-    if sys.version_info[:2] == (3, 11):
+    if SPEEDUPS:
         assert hook is not None and hook.calls > before
     v = only(rt, "leaked_blocks")
     assert [x.owners for x in v] == [["D2"]] and v[0].actor == "D2"

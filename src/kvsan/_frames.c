@@ -1,35 +1,51 @@
-/* kvsan._frames: who made an allocator call, read from the interpreter's own
- * frame stack without building Python frame objects.
+/* kvsan._frames: who made an allocator call, read from the interpreter's
+ * frame stack in C.
  *
  * The pure-Python path (kvsan.hooks.engine_frame / owner_from_frames and
- * kvsan.hooks.vllm.allocator._site_of) walks ``sys._getframe()`` and reads the
- * owner frame's ``f_locals``.  On CPython 3.11 that materialises a frame
- * object for every frame walked (each then pays a copy when its function
- * returns) and converts the owner frame's fast locals into a dict: about
- * 10 µs per allocator event in situ, the largest single share of kvsan's
- * scheduler-side cost.  This module does the same walk over
- * ``_PyInterpreterFrame`` (CPython 3.11's internal frame layout, hence built
- * for 3.11 only) and reads one local slot.  The results are the same by
- * construction and by test (tests/test_frames.py compares both paths on the
- * real engine's stacks); the module is optional and kvsan falls back to the
- * Python path when it is missing, disabled (KVSAN_NATIVE=0) or built for
- * another ABI.
+ * kvsan.hooks.site_of) walks ``sys._getframe()`` and reads the owner
+ * frame's ``f_locals``: on every frame a Python-level attribute read, and on
+ * the owner frame a conversion of its fast locals into a dict (CPython 3.11
+ * and earlier) or a locals proxy; about 10 µs per allocator event in situ,
+ * the largest single share of kvsan's scheduler-side cost.  This module
+ * does the same walk in C and reads one local.
+ *
+ * Two routes, chosen at build time, give the same results:
+ *
+ * - CPython 3.11: the walk reads ``_PyInterpreterFrame`` (3.11's internal
+ *   frame records, ``Py_BUILD_CORE``) and the owner's local slot directly,
+ *   without making frame objects.  The public route below costs about
+ *   350 ns per read there against 110 ns, so 3.11 keeps this one.
+ * - Any other CPython (3.10, 3.12, 3.13): the public C API --
+ *   PyThreadState_GetFrame, PyFrame_GetBack, PyFrame_GetCode,
+ *   PyFrame_GetLasti (3.10: the frame's ``f_lasti`` field, in code units) and
+ *   PyFrame_GetVar for the owner local (3.10: the frame's ``f_locals`` after
+ *   PyFrame_FastToLocalsWithError, as ``frame.f_locals`` reads it).
+ *
+ * The results are the same by construction and by test
+ * (tests/test_native.py compares both paths on the real engine's stacks,
+ * tests/test_native_portable.py on hand-made ones on every CPython); the
+ * module is optional and kvsan falls back to the Python path when it is
+ * missing, disabled (KVSAN_NATIVE=0) or built for another ABI.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "_capi.h"
 
-#define KVSAN_FRAMES_ABI 1
+#define KVSAN_FRAMES_ABI 2
 
 #if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-#define KVSAN_HAVE_FRAMES 1
+#define KVSAN_INTERNAL_FRAMES 1
 #define Py_BUILD_CORE 1
 #include "internal/pycore_frame.h"
 #undef Py_BUILD_CORE
+/* a frame: a borrowed interpreter frame record */
+typedef _PyInterpreterFrame *frame_t;
+#else
+#include <frameobject.h> /* CPython 3.10: PyFrameObject's f_lasti, f_locals */
+/* a frame: a strong reference to a frame object */
+typedef PyFrameObject *frame_t;
 #endif
-
-#ifdef KVSAN_HAVE_FRAMES
 
 /* set by configure(): strong references */
 static PyObject *trampoline_code = NULL; /* code object of kvsan's trampolines */
@@ -38,10 +54,11 @@ static PyObject *engine_file = NULL;     /* str or NULL: the one file there whos
                                           * stand for the engine's (the injected faults) */
 static PyObject *sites = NULL;           /* dict (id(code), f_lasti) -> (code, text) */
 static PyObject *site_text = NULL;       /* callable(code, f_lasti) -> text (a miss) */
-static PyObject *owner_slots = NULL;     /* dict id(code) -> (code, slot, attr|None) */
+static PyObject *owner_slots = NULL;     /* dict id(code) -> (code, slot, attr|None, name) */
 static PyObject *unknown_site = NULL;    /* "?" */
 static int owner_depth = 8;
 
+#ifdef KVSAN_INTERNAL_FRAMES
 static inline _PyInterpreterFrame *
 complete(_PyInterpreterFrame *f)
 {
@@ -51,6 +68,94 @@ complete(_PyInterpreterFrame *f)
     }
     return f;
 }
+
+/* the innermost frame of this thread, or NULL */
+static inline frame_t
+frame_top(void)
+{
+    return complete(PyThreadState_Get()->cframe->current_frame);
+}
+
+/* the frame that called ``f`` (``f`` let go of), or NULL */
+static inline frame_t
+frame_up(frame_t f)
+{
+    return complete(f->previous);
+}
+
+static inline frame_t
+frame_hold(frame_t f)
+{
+    return f;
+}
+
+static inline void
+frame_release(frame_t f)
+{
+    (void)f;
+}
+
+/* the frame's code object (borrowed: the frame holds it) */
+static inline PyObject *
+frame_code(frame_t f)
+{
+    return (PyObject *)f->f_code;
+}
+
+/* the frame's position as ``frame.f_lasti`` gives it (bytes; -1: none) */
+static inline int
+frame_lasti(frame_t f)
+{
+    int lasti = _PyInterpreterFrame_LASTI(f);
+    return lasti < 0 ? -1 : lasti * (int)sizeof(_Py_CODEUNIT);
+}
+#else
+static inline frame_t
+frame_top(void)
+{
+    return PyThreadState_GetFrame(PyThreadState_Get()); /* new reference or NULL */
+}
+
+static inline frame_t
+frame_up(frame_t f)
+{
+    PyFrameObject *back = PyFrame_GetBack(f); /* new reference or NULL */
+    Py_DECREF(f);
+    return back;
+}
+
+static inline frame_t
+frame_hold(frame_t f)
+{
+    Py_XINCREF(f);
+    return f;
+}
+
+static inline void
+frame_release(frame_t f)
+{
+    Py_XDECREF(f);
+}
+
+static inline PyObject *
+frame_code(frame_t f)
+{
+    PyCodeObject *code = PyFrame_GetCode(f); /* new reference, never NULL */
+    Py_DECREF(code);                         /* the frame keeps its own */
+    return (PyObject *)code;
+}
+
+static inline int
+frame_lasti(frame_t f)
+{
+#if PY_VERSION_HEX >= 0x030B0000
+    return PyFrame_GetLasti(f);
+#else /* CPython 3.10: f_lasti counts code units, of 2 bytes each (as
+       * frame.f_lasti converts it) */
+    return f->f_lasti < 0 ? -1 : f->f_lasti * 2;
+#endif
+}
+#endif
 
 /* is_kvsan's answers: code object (a strong reference, so its address is
  * never another code object's while here) -> 1 / 0; cleared by configure() */
@@ -66,10 +171,10 @@ static KvsanEntry kvsan_cache[KVSAN_CACHE_SIZE];
 /* 1: the frame is kvsan's patching (a trampoline or a hook function), 0: not,
  * -1: error */
 static int
-is_kvsan(_PyInterpreterFrame *f)
+is_kvsan(frame_t f)
 {
-    PyCodeObject *code = f->f_code;
-    if ((PyObject *)code == trampoline_code) {
+    PyObject *code = frame_code(f);
+    if (code == trampoline_code) {
         return 1;
     }
     /* the answer per code object, cached (a prefix compare of its file name
@@ -77,41 +182,42 @@ is_kvsan(_PyInterpreterFrame *f)
      * engine functions every call) */
     uintptr_t p = (uintptr_t)code;
     KvsanEntry *e = &kvsan_cache[((p >> 4) ^ (p >> 12)) & (KVSAN_CACHE_SIZE - 1)];
-    if (e->code == (PyObject *)code) {
+    if (e->code == code) {
         return e->kvsan;
     }
-    Py_ssize_t r = PyUnicode_Tailmatch(code->co_filename, hooks_prefix, 0,
-                                       PY_SSIZE_T_MAX, -1);
+    PyObject *filename = ((PyCodeObject *)code)->co_filename;
+    Py_ssize_t r = PyUnicode_Tailmatch(filename, hooks_prefix, 0, PY_SSIZE_T_MAX, -1);
     if (r < 0) {
         return -1;
     }
     if (r == 1 && engine_file != NULL) {
-        int same = PyUnicode_Compare(code->co_filename, engine_file);
+        int same = PyUnicode_Compare(filename, engine_file);
         if (same == -1 && PyErr_Occurred()) {
             return -1;
         }
         r = same != 0;
     }
     e->kvsan = (int)r;
-    Py_XSETREF(e->code, Py_NewRef((PyObject *)code));
+    Py_XSETREF(e->code, Py_NewRef(code));
     return (int)r;
 }
 
-/* the engine frame at or above ``f`` (NULL: none); -1 in *err on error */
-static _PyInterpreterFrame *
-engine_frame(_PyInterpreterFrame *f, int *err)
+/* the engine frame at or above ``f`` (``f`` let go of; NULL: none); -1 in
+ * *err on error */
+static frame_t
+engine_frame(frame_t f, int *err)
 {
-    f = complete(f);
     while (f != NULL) {
         int k = is_kvsan(f);
         if (k < 0) {
+            frame_release(f);
             *err = 1;
             return NULL;
         }
         if (!k) {
             return f;
         }
-        f = complete(f->previous);
+        f = frame_up(f);
     }
     return NULL;
 }
@@ -122,7 +228,8 @@ engine_frame(_PyInterpreterFrame *f, int *err)
  * Entries hold strong references to their code objects, so an address in
  * the cache is never reused by another code object.  The site texts never
  * change once made; the owner-slot entries are dropped when that dict
- * changes (its version tag), and both when configure() is called again. */
+ * changes (owners_changed(), which kvsan.hooks calls whenever it adds or
+ * removes an owner frame), and both when configure() is called again. */
 #define CACHE_SIZE 256 /* a power of two */
 
 typedef struct {
@@ -133,12 +240,11 @@ typedef struct {
 
 typedef struct {
     PyObject *code;  /* strong */
-    PyObject *entry; /* strong: the dict's (code, slot, attr) tuple, or NULL: none */
+    PyObject *entry; /* strong: the dict's (code, slot, attr, name) tuple, or NULL: none */
 } OwnerEntry;
 
 static SiteEntry site_cache[CACHE_SIZE];
 static OwnerEntry owner_cache[CACHE_SIZE];
-static uint64_t owner_cache_version = 0;
 
 static inline size_t
 cache_index(PyObject *code, int lasti)
@@ -174,13 +280,13 @@ static PyObject *site_lookup(PyObject *code, int lasti);
 /* new reference: the memoised 'file:function:line' text of the frame's
  * current position */
 static PyObject *
-site_of(_PyInterpreterFrame *f)
+site_of(frame_t f)
 {
     if (f == NULL) {
         return Py_NewRef(unknown_site);
     }
-    PyObject *code = (PyObject *)f->f_code;
-    int lasti = _PyInterpreterFrame_LASTI(f);
+    PyObject *code = frame_code(f);
+    int lasti = frame_lasti(f);
     SiteEntry *e = &site_cache[cache_index(code, lasti)];
     if (e->code == code && e->lasti == lasti) {
         return Py_NewRef(e->text);
@@ -194,11 +300,11 @@ site_of(_PyInterpreterFrame *f)
     return text;
 }
 
+/* ``lasti``: in bytes, as frame.f_lasti */
 static PyObject *
 site_lookup(PyObject *code, int lasti)
 {
-    long lasti_bytes = lasti < 0 ? -1 : (long)lasti * (long)sizeof(_Py_CODEUNIT);
-    PyObject *key = Py_BuildValue("(Nl)", PyLong_FromVoidPtr(code), lasti_bytes);
+    PyObject *key = Py_BuildValue("(Ni)", PyLong_FromVoidPtr(code), lasti);
     if (key == NULL) {
         return NULL;
     }
@@ -212,7 +318,7 @@ site_lookup(PyObject *code, int lasti)
         return NULL;
     }
     /* a miss: Python formats and memoises it (once per code position) */
-    PyObject *lasti_obj = PyLong_FromLong(lasti_bytes);
+    PyObject *lasti_obj = PyLong_FromLong(lasti);
     if (lasti_obj == NULL) {
         return NULL;
     }
@@ -221,18 +327,55 @@ site_lookup(PyObject *code, int lasti)
     return text;
 }
 
+/* the owner local of frame ``f`` described by ``entry`` (code, slot, attr,
+ * name): a new reference, or NULL with no exception set when it is unbound,
+ * or NULL with an exception */
+static PyObject *
+owner_local(frame_t f, PyObject *entry)
+{
+#ifdef KVSAN_INTERNAL_FRAMES
+    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
+    if (slot < 0 || slot >= f->f_code->co_nlocalsplus) {
+        return NULL; /* (an error from PyLong_AsSsize_t stays set) */
+    }
+    PyObject *value = f->localsplus[slot]; /* borrowed; NULL: unbound */
+    if (value != NULL && PyCell_Check(value)) {
+        value = PyCell_GET(value); /* a local captured by a closure */
+    }
+    return Py_XNewRef(value);
+#else
+    PyObject *name = PyTuple_GET_ITEM(entry, 3);
+#if PY_VERSION_HEX >= 0x030C0000
+    PyObject *value = PyFrame_GetVar(f, name); /* reads cells too */
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_NameError)) {
+        PyErr_Clear(); /* unbound */
+    }
+    return value;
+#else /* CPython 3.10: as frame.f_locals reads it */
+    if (PyFrame_FastToLocalsWithError(f) < 0) {
+        return NULL;
+    }
+    if (f->f_locals == NULL) {
+        return NULL;
+    }
+    PyObject *value = PyObject_GetItem(f->f_locals, name);
+    if (value == NULL && PyErr_ExceptionMatches(PyExc_KeyError)) {
+        PyErr_Clear();
+    }
+    return value;
+#endif
+#endif
+}
+
 /* new reference: the request the innermost owner frame at or above ``f``
  * acts for (None when there is none or its local is not a str) */
 static PyObject *
-owner_of(_PyInterpreterFrame *f)
+owner_of(frame_t start)
 {
-    uint64_t version = ((PyDictObject *)owner_slots)->ma_version_tag;
-    if (version != owner_cache_version) {
-        clear_owner_cache();
-        owner_cache_version = version;
-    }
-    for (int i = 0; i < owner_depth && f != NULL; i++, f = complete(f->previous)) {
-        PyObject *code = (PyObject *)f->f_code;
+    frame_t f = frame_hold(start);
+    PyObject *out = NULL;
+    for (int i = 0; i < owner_depth && f != NULL; i++, f = frame_up(f)) {
+        PyObject *code = frame_code(f);
         OwnerEntry *oe = &owner_cache[cache_index(code, 0)];
         PyObject *entry; /* borrowed */
         if (oe->code == code) {
@@ -240,12 +383,12 @@ owner_of(_PyInterpreterFrame *f)
         } else {
             PyObject *id = PyLong_FromVoidPtr(code);
             if (id == NULL) {
-                return NULL;
+                goto done;
             }
             entry = PyDict_GetItemWithError(owner_slots, id);
             Py_DECREF(id);
             if (entry == NULL && PyErr_Occurred()) {
-                return NULL;
+                goto done;
             }
             Py_XSETREF(oe->code, Py_NewRef(code));
             Py_XSETREF(oe->entry, Py_XNewRef(entry));
@@ -253,41 +396,38 @@ owner_of(_PyInterpreterFrame *f)
         if (entry == NULL) {
             continue;
         }
-        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 3
+        if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) != 4
             || PyTuple_GET_ITEM(entry, 0) != code) {
             continue; /* a stale entry: the id of a code object since freed */
         }
-        Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
-        if (slot < 0 || slot >= f->f_code->co_nlocalsplus) {
-            if (PyErr_Occurred()) {
-                return NULL;
-            }
-            Py_RETURN_NONE;
-        }
-        PyObject *value = f->localsplus[slot]; /* borrowed; NULL: unbound */
-        if (value != NULL && PyCell_Check(value)) {
-            value = PyCell_GET(value); /* a local captured by a closure */
-        }
+        PyObject *value = owner_local(f, entry);
         if (value == NULL) {
-            Py_RETURN_NONE;
+            if (!PyErr_Occurred()) {
+                out = Py_NewRef(Py_None);
+            }
+            goto done;
         }
         PyObject *attr = PyTuple_GET_ITEM(entry, 2);
         if (attr != Py_None) {
-            value = PyObject_GetAttr(value, attr); /* new reference */
+            Py_SETREF(value, PyObject_GetAttr(value, attr));
             if (value == NULL) {
                 PyErr_Clear(); /* as getattr(value, attr, None) */
-                Py_RETURN_NONE;
+                out = Py_NewRef(Py_None);
+                goto done;
             }
-        } else {
-            Py_INCREF(value);
         }
         if (!PyUnicode_Check(value)) {
             Py_DECREF(value);
-            Py_RETURN_NONE;
+            out = Py_NewRef(Py_None);
+            goto done;
         }
-        return value;
+        out = value;
+        goto done;
     }
-    Py_RETURN_NONE;
+    out = Py_NewRef(Py_None);
+done:
+    frame_release(f);
+    return out;
 }
 
 static int
@@ -300,20 +440,20 @@ configured(void)
     return 1;
 }
 
-/* the engine frame at or above the frame ``depth_obj`` levels above the
- * calling Python frame (NULL: none).  Returns 1, 0 when the stack is not that
- * deep, -1 on error. */
+/* the engine frame at or above the frame ``depth`` levels above the calling
+ * Python frame, in *out (NULL: none; held: the caller lets it go with
+ * frame_release).  Returns 1, 0 when the stack is not that deep, -1 on
+ * error. */
 static int
-frame_at_depth(long depth, _PyInterpreterFrame **out)
+frame_at_depth(long depth, frame_t *out)
 {
     *out = NULL;
     if (!configured()) {
         return -1;
     }
-    PyThreadState *ts = PyThreadState_Get();
-    _PyInterpreterFrame *f = complete(ts->cframe->current_frame);
+    frame_t f = frame_top();
     for (long i = 0; i < depth && f != NULL; i++) {
-        f = complete(f->previous);
+        f = frame_up(f);
     }
     if (f == NULL) {
         return 0;
@@ -324,7 +464,7 @@ frame_at_depth(long depth, _PyInterpreterFrame **out)
 }
 
 static int
-frame_at(PyObject *depth_obj, _PyInterpreterFrame **out)
+frame_at(PyObject *depth_obj, frame_t *out)
 {
     *out = NULL;
     long depth = PyLong_AsLong(depth_obj);
@@ -334,9 +474,9 @@ frame_at(PyObject *depth_obj, _PyInterpreterFrame **out)
     return frame_at_depth(depth, out);
 }
 
-/* (site, owner) of the engine frame at or above ``f``: new references */
+/* (site, owner) of the engine frame ``f`` (borrowed): new references */
 static int
-context_of(_PyInterpreterFrame *f, PyObject *ctx, PyObject **site_out, PyObject **owner_out)
+context_of(frame_t f, PyObject *ctx, PyObject **site_out, PyObject **owner_out)
 {
     PyObject *site = site_of(f);
     if (site == NULL) {
@@ -365,12 +505,14 @@ context_of(_PyInterpreterFrame *f, PyObject *ctx, PyObject **site_out, PyObject 
 static int
 capi_context(PyObject *ctx, PyObject **site, PyObject **owner)
 {
-    _PyInterpreterFrame *f;
+    frame_t f;
     int got = frame_at_depth(0, &f);
     if (got <= 0) {
         return got;
     }
-    return context_of(f, ctx, site, owner);
+    got = context_of(f, ctx, site, owner);
+    frame_release(f);
+    return got;
 }
 
 static PyObject *
@@ -380,7 +522,7 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "context(depth, owner_ctx)");
         return NULL;
     }
-    _PyInterpreterFrame *f;
+    frame_t f;
     int got = frame_at(args[0], &f);
     if (got < 0) {
         return NULL;
@@ -389,7 +531,9 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
         Py_RETURN_NONE; /* the caller falls back (stack shallower than depth) */
     }
     PyObject *site, *owner;
-    if (context_of(f, args[1], &site, &owner) < 0) {
+    got = context_of(f, args[1], &site, &owner);
+    frame_release(f);
+    if (got < 0) {
         return NULL;
     }
     PyObject *out = PyTuple_New(2);
@@ -406,11 +550,13 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 frames_site(PyObject *self, PyObject *arg)
 {
-    _PyInterpreterFrame *f;
+    frame_t f;
     if (frame_at(arg, &f) < 0) {
         return NULL;
     }
-    return site_of(f);
+    PyObject *site = site_of(f);
+    frame_release(f);
+    return site;
 }
 
 static PyObject *
@@ -429,7 +575,6 @@ frames_configure(PyObject *self, PyObject *args)
         return NULL;
     }
     clear_caches();
-    owner_cache_version = 0;
     Py_XSETREF(trampoline_code, Py_NewRef(tcode));
     Py_XSETREF(hooks_prefix, Py_NewRef(prefix));
     Py_XSETREF(engine_file, efile != NULL ? Py_NewRef(efile) : NULL);
@@ -437,6 +582,13 @@ frames_configure(PyObject *self, PyObject *args)
     Py_XSETREF(site_text, Py_NewRef(text));
     Py_XSETREF(owner_slots, Py_NewRef(slots));
     owner_depth = depth;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+frames_owners_changed(PyObject *self, PyObject *unused)
+{
+    clear_owner_cache();
     Py_RETURN_NONE;
 }
 
@@ -448,16 +600,15 @@ static PyMethodDef frames_methods[] = {
      "context(depth, owner_ctx) -> (site, owner) of the engine frame at or above the "
      "frame depth levels up, or None when the stack is shallower"},
     {"site", frames_site, METH_O, "site(depth) -> 'file:function:line' of the engine frame"},
+    {"owners_changed", frames_owners_changed, METH_NOARGS,
+     "owners_changed(): the owner slots dict was changed (drops the cache in front of it)"},
     {NULL, NULL, 0, NULL},
 };
-#else
-static PyMethodDef frames_methods[] = {{NULL, NULL, 0, NULL}};
-#endif
 
 static struct PyModuleDef frames_module = {
     .m_base = PyModuleDef_HEAD_INIT,
     .m_name = "kvsan._frames",
-    .m_doc = "Engine call context read from CPython 3.11's frame stack (optional speed-up).",
+    .m_doc = "Engine call context read from the interpreter's frame stack (optional speed-up).",
     .m_size = -1,
     .m_methods = frames_methods,
 };
@@ -469,20 +620,18 @@ PyInit__frames(void)
     if (m == NULL) {
         return NULL;
     }
-#ifdef KVSAN_HAVE_FRAMES
     unknown_site = PyUnicode_InternFromString("?");
-    if (unknown_site == NULL || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0) {
+    if (unknown_site == NULL || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0
+        || PyModule_AddIntConstant(m, "ABI", KVSAN_FRAMES_ABI) < 0
+#ifdef KVSAN_INTERNAL_FRAMES
+        || PyModule_AddStringConstant(m, "ROUTE", "internal") < 0
 #else
-    if (PyModule_AddIntConstant(m, "AVAILABLE", 0) < 0) {
+        || PyModule_AddStringConstant(m, "ROUTE", "public") < 0
 #endif
+    ) {
         Py_DECREF(m);
         return NULL;
     }
-    if (PyModule_AddIntConstant(m, "ABI", KVSAN_FRAMES_ABI) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-#ifdef KVSAN_HAVE_FRAMES
     static KvsanFramesAPI api = {KVSAN_CAPI_ABI, capi_context};
     PyObject *cap = PyCapsule_New(&api, KVSAN_FRAMES_CAPSULE, NULL);
     if (cap == NULL || PyModule_AddObject(m, "_C_API", cap) < 0) {
@@ -490,6 +639,5 @@ PyInit__frames(void)
         Py_DECREF(m);
         return NULL;
     }
-#endif
     return m;
 }

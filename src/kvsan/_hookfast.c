@@ -50,7 +50,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 11
+#define KVSAN_HOOKFAST_ABI 12
 
 #include "_capi.h"
 #include "_slots.h"
@@ -62,12 +62,10 @@ enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_EN
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
-#if PY_VERSION_HEX < 0x030C0000
-/* rt_globals' ``_runtime`` (borrowed: the dict holds it) as of the dict's
- * version tag, which every change to the dict moves on; 0: not read */
-static uint64_t rt_version = 0;
+/* rt_globals' ``_runtime`` as last read (a strong reference), or NULL: read
+ * it anew.  kvsan.runtime.set_runtime, the only place that assigns it,
+ * calls runtime_changed() (its watcher list), which drops it. */
 static PyObject *rt_cached = NULL;
-#endif
 static PyObject *context_fn = NULL; /* kvsan._frames.context(depth, owner_ctx) */
 static PyObject *checker_fn = NULL; /* (pool) -> (runtime, checker or None) */
 static PyObject *error_fn = NULL;   /* (runtime, where, exception): may raise */
@@ -104,18 +102,15 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_idle_audited;
 
 /* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
- * NULL with an exception: read on every hook call, so where the dict's
- * version tag says nothing changed since the last read, that read's object
- * (a dict lookup was a sixth of a touch's added instructions) */
+ * NULL with an exception: read on every hook call, so the last read's
+ * object until runtime_changed() says it was assigned again (a dict lookup
+ * was a sixth of a touch's added instructions) */
 static inline PyObject *
 running(void)
 {
-#if PY_VERSION_HEX < 0x030C0000
-    uint64_t v = ((PyDictObject *)rt_globals)->ma_version_tag;
-    if (v == rt_version && v != 0) {
+    if (rt_cached != NULL) {
         return rt_cached;
     }
-#endif
     PyObject *rt = PyDict_GetItemWithError(rt_globals, s_runtime);
     if (rt == NULL) {
         if (PyErr_Occurred()) {
@@ -123,10 +118,7 @@ running(void)
         }
         rt = Py_None;
     }
-#if PY_VERSION_HEX < 0x030C0000
-    rt_version = v;
-    rt_cached = rt;
-#endif
+    rt_cached = Py_NewRef(rt);
     return rt;
 }
 
@@ -949,11 +941,11 @@ end_clean(PyObject *st, PyObject *rt, PyObject *sched, PyObject *request)
     } else {
         goto out;
     }
-    PyObject *gone = _PyDict_Pop(ends, rid, Py_None);
-    if (gone == NULL) {
+    /* (deleted first: the entry moves to the end, as ``pop`` then a set) */
+    int had = PyDict_Contains(ends, rid);
+    if (had < 0 || (had == 1 && PyDict_DelItem(ends, rid) < 0)) {
         goto out;
     }
-    Py_DECREF(gone);
     if (PyDict_SetItem(ends, rid, value) < 0) {
         goto out;
     }
@@ -2547,10 +2539,7 @@ hookfast_configure(PyObject *self, PyObject *args)
         return NULL;
     }
     Py_XSETREF(rt_globals, Py_NewRef(globals));
-#if PY_VERSION_HEX < 0x030C0000
-    rt_version = 0; /* another dict: read it anew */
-    rt_cached = NULL;
-#endif
+    Py_CLEAR(rt_cached); /* another dict: read it anew */
     Py_XSETREF(context_fn, Py_NewRef(ctxf));
     Py_XSETREF(checker_fn, Py_NewRef(ckf));
     Py_XSETREF(error_fn, Py_NewRef(errf));
@@ -2574,6 +2563,15 @@ hookfast_enable(PyObject *self, PyObject *on)
     Py_CLEAR(r_rt);
     Py_CLEAR(r_ctx);
     return PyBool_FromLong(enabled);
+}
+
+static PyObject *
+hookfast_runtime_changed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)args;
+    (void)nargs; /* (kvsan.runtime's watchers get the new runtime: read anew) */
+    Py_CLEAR(rt_cached);
+    Py_RETURN_NONE;
 }
 
 static PyObject *
@@ -2614,6 +2612,8 @@ static PyMethodDef hookfast_methods[] = {
      "direct([on]) -> {'frames': bool, 'shadow': bool, 'tsc': bool}: whether those modules' "
      "C functions are called directly (else their Python methods; ``on`` switches), and "
      "whether kvsan's own time is read from the time-stamp counter (else CLOCK_MONOTONIC)"},
+    {"runtime_changed", (PyCFunction)(void (*)(void))hookfast_runtime_changed, METH_FASTCALL,
+     "runtime_changed(*args): kvsan.runtime._runtime was assigned (read it anew)"},
     {"flush_overhead", flush_overhead, METH_NOARGS,
      "flush_overhead(): add kvsan's time in these hooks to its runtime's overhead_s"},
     {"configure", hookfast_configure, METH_VARARGS,
@@ -2724,6 +2724,7 @@ PyInit__hookfast(void)
     }
     if (PyModule_AddObjectRef(m, "Hook", (PyObject *)&HookType) < 0
         || PyModule_AddIntConstant(m, "ABI", KVSAN_HOOKFAST_ABI) < 0
+        || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0
         || PyModule_AddIntConstant(m, "ALLOCATE", K_ALLOCATE) < 0
         || PyModule_AddIntConstant(m, "TOUCH", K_TOUCH) < 0
         || PyModule_AddIntConstant(m, "RELEASE", K_RELEASE) < 0

@@ -30,13 +30,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#define KVSAN_SHADOWFAST_ABI 11
+#define KVSAN_SHADOWFAST_ABI 12
 
 #include "_capi.h"
 #define KVSAN_IDENTITY_SLOTS /* RequestIdentity's slots too */
 #include "_slots.h"
 
-#include <opcode.h>
 #include <structmember.h>
 #include <time.h>
 
@@ -54,43 +53,32 @@ static PyObject *names[N_ATTRS];
 /* The slot a property only returns, or NULL.  vLLM's ``block_hash`` is
  * ``@property def block_hash(self): return self._block_hash``: read through
  * the property, every read runs a Python frame (a block's hash is read on
- * every cache and last-release event).  A getter whose bytecode is exactly
- * ``return self.<name>`` (CPython 3.11's, compared as the unspecialised
- * code) is a read of that slot; anything else keeps the property. */
+ * every cache and last-release event).  Whether a property's getter only
+ * returns a slot is decided in Python (kvsan.hooks.property_slot: the
+ * getter's instructions, then a probe instance), which registers the pair
+ * here with property_slot(prop, member); a property not registered is
+ * read as a property.  property object -> member descriptor (strong). */
+static PyObject *prop_slots = NULL;
+
 static PyObject *
-plain_getter_slot(PyTypeObject *tp, PyObject *prop)
+registered_slot(PyTypeObject *tp, PyObject *prop)
 {
-#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
-    static const unsigned char want[] = {RESUME, 0, LOAD_FAST, 0, LOAD_ATTR, 0, CACHE, 0,
-                                         CACHE, 0, CACHE, 0, CACHE, 0, RETURN_VALUE, 0};
-    PyObject *fget = PyObject_GetAttrString(prop, "fget");
-    if (fget == NULL) {
+    if (prop_slots == NULL) {
+        return NULL;
+    }
+    PyObject *d = PyDict_GetItemWithError(prop_slots, prop); /* borrowed */
+    if (d == NULL) {
         PyErr_Clear();
         return NULL;
     }
-    PyObject *slot = NULL;
-    if (PyFunction_Check(fget)) {
-        PyCodeObject *co = (PyCodeObject *)PyFunction_GET_CODE(fget);
-        PyObject *bytes = PyCode_GetCode(co);
-        if (bytes == NULL) {
-            PyErr_Clear();
-        } else if (co->co_argcount == 1 && PyTuple_GET_SIZE(co->co_names) == 1
-                   && PyBytes_GET_SIZE(bytes) == (Py_ssize_t)sizeof(want)
-                   && memcmp(PyBytes_AS_STRING(bytes), want, sizeof(want)) == 0) {
-            slot = _PyType_Lookup(tp, PyTuple_GET_ITEM(co->co_names, 0)); /* borrowed */
-        }
-        Py_XDECREF(bytes);
-    }
-    Py_DECREF(fget);
-    return slot;
-#else
-    return NULL;
-#endif
+    /* only where the getter's ``self.<slot>`` is that member on this type
+     * too (a subclass may hide the slot behind something else) */
+    return slots_type_lookup(tp, PyDescr_NAME(d)) == d ? d : NULL;
 }
 
 /* the block type's offsets (kvsan/_slots.h), with ``block_hash``'s property
  * read as the slot it returns */
-static SlotTable block_slots = {.property_slot = plain_getter_slot};
+static SlotTable block_slots = {.property_slot = registered_slot};
 
 /* new reference to attribute ``i`` of ``obj``, or NULL with an exception */
 static PyObject *
@@ -286,17 +274,13 @@ held_key(PyObject *owner, Py_hash_t *h)
 }
 
 /* two ready strs with the same value, as str's own equality compares them:
- * length and kind, the cached hashes where both have one, then the bytes
- * (no call: used where owners are compared on the hot path) */
+ * length and kind, then the bytes (no call: used where owners are compared
+ * on the hot path, after their hashes where the caller has them) */
 static inline int
 str_same(PyObject *a, PyObject *b)
 {
     Py_ssize_t n = PyUnicode_GET_LENGTH(a);
     if (n != PyUnicode_GET_LENGTH(b) || PyUnicode_KIND(a) != PyUnicode_KIND(b)) {
-        return 0;
-    }
-    Py_hash_t h1 = ((PyASCIIObject *)a)->hash, h2 = ((PyASCIIObject *)b)->hash;
-    if (h1 != -1 && h2 != -1 && h1 != h2) {
         return 0;
     }
     return memcmp(PyUnicode_DATA(a), PyUnicode_DATA(b), (size_t)n * PyUnicode_KIND(a)) == 0;
@@ -893,15 +877,22 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
     }
     self->n_null = 0;
     {
-        Py_ssize_t pos = 0;
-        PyObject *item;
-        Py_hash_t hash;
-        while (_PySet_NextEntry(self->null, &pos, &item, &hash)) {
+        PyObject *it = PyObject_GetIter(self->null), *item;
+        if (it == NULL) {
+            return -1;
+        }
+        while ((item = PyIter_Next(it)) != NULL) {
             Py_ssize_t v = PyLong_AsSsize_t(item);
+            Py_DECREF(item);
             if (v == -1 && PyErr_Occurred()) {
+                Py_DECREF(it);
                 return -1;
             }
             self->null_ids[self->n_null++] = v;
+        }
+        Py_DECREF(it);
+        if (PyErr_Occurred()) {
+            return -1;
         }
     }
     struct {
@@ -1072,7 +1063,7 @@ set_list(PyObject *list, Py_ssize_t i, PyObject *v)
 /* ``o == owner`` as Python's ``==`` (1, 0, -1 error), without a call when
  * both are strs, as owners are: the pointer first (a request's id is one
  * str from its first reference to its last), then what str's own equality
- * compares, the cached hashes first.  A shared block's release compares
+ * compares (length, kind, bytes).  A shared block's release compares
  * its first owner with the one leaving. */
 static inline int
 same_owner(PyObject *o, PyObject *owner)
@@ -1080,8 +1071,11 @@ same_owner(PyObject *o, PyObject *owner)
     if (o == owner) {
         return 1;
     }
-    if (PyUnicode_CheckExact(o) && PyUnicode_CheckExact(owner) && PyUnicode_IS_READY(o)
-        && PyUnicode_IS_READY(owner)) {
+    if (PyUnicode_CheckExact(o) && PyUnicode_CheckExact(owner)
+#if PY_VERSION_HEX < 0x030C0000 /* (every str is ready from 3.12 on) */
+        && PyUnicode_IS_READY(o) && PyUnicode_IS_READY(owner)
+#endif
+    ) {
         return str_same(o, owner);
     }
     return PyObject_RichCompareBool(o, owner, Py_EQ);
@@ -1318,11 +1312,10 @@ held_add(Table *t, PyObject *owner, Py_ssize_t k, int sign, int step)
     }
     held_remove(m, e); /* _unhold of its last references */
     if (PyDict_GET_SIZE(t->ended) != 0) { /* ended.pop(owner, None): empty but for leaks */
-        PyObject *gone = _PyDict_Pop(t->ended, owner, Py_None);
-        if (gone == NULL) {
+        int had = PyDict_Contains(t->ended, owner);
+        if (had < 0 || (had == 1 && PyDict_DelItem(t->ended, owner) < 0)) {
             return -1;
         }
-        Py_DECREF(gone);
     }
     if (PySet_GET_SIZE(t->nonrequest) == 0) {
         return 0;
@@ -2380,6 +2373,31 @@ static PyMethodDef Table_methods[] = {
  * or None when a block's count is not an int: the full audit's view of a
  * whole pool (a million blocks: one pass of pointer loads instead of two
  * Python list comprehensions). */
+/* property_slot(prop, member or None): read property ``prop`` as the slot
+ * of member descriptor ``member`` (None: as a property again) */
+static PyObject *
+property_slot(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !Py_IS_TYPE(args[0], &PyProperty_Type)
+        || (args[1] != Py_None && !Py_IS_TYPE(args[1], &PyMemberDescr_Type))) {
+        PyErr_SetString(PyExc_TypeError, "property_slot(property, member descriptor or None)");
+        return NULL;
+    }
+    if (prop_slots == NULL && (prop_slots = PyDict_New()) == NULL) {
+        return NULL;
+    }
+    if (args[1] == Py_None) {
+        if (PyDict_Contains(prop_slots, args[0]) == 1 && PyDict_DelItem(prop_slots, args[0]) < 0) {
+            return NULL;
+        }
+    } else if (PyDict_SetItem(prop_slots, args[0], args[1]) < 0) {
+        return NULL;
+    }
+    Py_CLEAR(block_slots.type); /* resolved anew on the next read */
+    block_slots.version = 0;
+    Py_RETURN_NONE;
+}
+
 /* which of the block's fields get_field reads as a slot (tests, diagnostics) */
 static PyObject *
 slot_reads(PyObject *module, PyObject *block)
@@ -2775,6 +2793,9 @@ static PyMethodDef module_methods[] = {
      "(compared, mismatches), or None"},
     {"read_pool", read_pool, METH_O,
      "read_pool(blocks) -> (int64 ref counts as bytes, free-queue flags as bytes), or None"},
+    {"property_slot", (PyCFunction)(void (*)(void))property_slot, METH_FASTCALL,
+     "property_slot(prop, member): read property prop as the slot of member descriptor "
+     "member (None: as a property); kvsan.hooks.property_slot decides"},
     {"slot_reads", slot_reads, METH_O,
      "slot_reads(block) -> the block fields read here as slots (the rest: getattr)"},
     {NULL, NULL, 0, NULL},
@@ -2847,6 +2868,7 @@ PyInit__shadowfast(void)
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "ABI", KVSAN_SHADOWFAST_ABI) < 0
+        || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0
         || PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0
         || PyModule_AddObjectRef(m, "Hold", (PyObject *)&HoldType) < 0
         || PyModule_AddObjectRef(m, "HeldMap", (PyObject *)&HeldMapType) < 0) {

@@ -1,5 +1,5 @@
 /* Reading and setting an object's ``__slots__`` in line, as CPython's own
- * member descriptor does it (and a one-digit int's value from its digit).
+ * member descriptor does it (and a small int's value).
  *
  * kvsan's C modules read a few attributes of the same few classes on every
  * event: vLLM's KVCacheBlock (kvsan._shadowfast), kvsan's own
@@ -51,20 +51,79 @@ slot_member_offset(PyTypeObject *tp, PyObject *d)
     return -1;
 }
 
+/* the attribute ``name`` as found in the dicts of ``tp``'s MRO (what
+ * object.__getattribute__ looks up on the type), borrowed (the type's dict
+ * holds it), or NULL (no exception set) */
+static inline PyObject *
+slots_type_lookup(PyTypeObject *tp, PyObject *name)
+{
+    PyObject *mro = tp->tp_mro;
+    if (mro == NULL || !PyTuple_Check(mro)) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(mro); k++) {
+        PyTypeObject *base = (PyTypeObject *)PyTuple_GET_ITEM(mro, k);
+#if PY_VERSION_HEX >= 0x030C0000
+        PyObject *dict = PyType_GetDict(base); /* new reference (a static type's too) */
+#else
+        PyObject *dict = Py_XNewRef(base->tp_dict);
+#endif
+        if (dict == NULL) {
+            continue;
+        }
+        PyObject *d = PyDict_GetItemWithError(dict, name); /* borrowed */
+        Py_DECREF(dict); /* (the type keeps its dict) */
+        if (d != NULL) {
+            return d;
+        }
+        if (PyErr_Occurred()) {
+            PyErr_Clear();
+            return NULL;
+        }
+    }
+    return NULL;
+}
+
+/* 1 when ``tp`` has a valid version tag after CPython was asked to give it
+ * one (it does so lazily, on its attribute cache's lookups) */
+static inline int
+slots_version_tag(PyTypeObject *tp, PyObject *name)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    (void)name;
+    return PyUnstable_Type_AssignVersionTag(tp);
+#else
+    /* CPython 3.10 and 3.11 have no public call for it: a lookup of an
+     * attribute through the type, which goes through its cache, assigns
+     * one where it can */
+    if (!(tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG)) {
+        PyObject *v = PyObject_GetAttr((PyObject *)tp, name);
+        if (v == NULL) {
+            PyErr_Clear();
+        }
+        Py_XDECREF(v);
+    }
+    return (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) != 0;
+#endif
+}
+
 /* resolve ``names[0..n)`` for ``tp``; where the type has no valid version
- * tag after the lookups (which give it one where they can), no offsets */
+ * tag (which is asked for first), no offsets */
 static inline void
 slots_resolve(SlotTable *t, PyTypeObject *tp, PyObject *const *names, int n)
 {
     Py_XSETREF(t->type, (PyTypeObject *)Py_NewRef(tp));
+    int tagged = n > 0 && slots_version_tag(tp, names[0]);
     for (int i = 0; i < n && i < KVSAN_SLOTS_MAX; i++) {
-        PyObject *d = _PyType_Lookup(tp, names[i]); /* borrowed */
+        PyObject *d = slots_type_lookup(tp, names[i]); /* borrowed */
         if (d != NULL && t->property_slot != NULL && Py_IS_TYPE(d, &PyProperty_Type)) {
             d = t->property_slot(tp, d); /* borrowed, or NULL */
         }
         t->offset[i] = slot_member_offset(tp, d);
     }
-    t->version = (tp->tp_flags & Py_TPFLAGS_VALID_VERSION_TAG) ? tp->tp_version_tag : 0;
+    /* (a valid tag is never 0: PyType_Modified sets 0 where it invalidates;
+     * CPython 3.13 no longer keeps Py_TPFLAGS_VALID_VERSION_TAG) */
+    t->version = tagged ? tp->tp_version_tag : 0;
     if (t->version == 0) {
         for (int i = 0; i < n && i < KVSAN_SLOTS_MAX; i++) {
             t->offset[i] = -1;
@@ -126,30 +185,33 @@ truth_of(PyObject *v)
     return r;
 }
 
-/* 1 with ``*out`` set when ``v`` is an exact int of at most one digit (block
- * ids, counts, steps, token ids), read from its digit; 0 otherwise (then
- * PyLong_AsSsize_t or PyObject_Hash) */
+/* 1 with ``*out`` set when ``v`` is an exact int of magnitude below 2**30
+ * (block ids, counts, steps, token ids; CPython's one-digit, "compact"
+ * ints); 0 otherwise (then PyLong_AsSsize_t or PyObject_Hash).  The bound
+ * is part of the answer: a caller may take such a value as its own hash */
+#define KVSAN_SMALL_INT_LIMIT ((Py_ssize_t)1 << 30)
+
 static inline int
 small_int(PyObject *v, Py_ssize_t *out)
 {
-#if PY_VERSION_HEX < 0x030C0000 /* ob_size and ob_digit: CPython 3.10 and 3.11 */
-    if (v != NULL && PyLong_CheckExact(v)) {
-        Py_ssize_t size = Py_SIZE(v);
-        if (size == 0) {
-            *out = 0;
-            return 1;
-        }
-        if (size == 1 || size == -1) {
-            Py_ssize_t d = (Py_ssize_t)((PyLongObject *)v)->ob_digit[0];
-            *out = size < 0 ? -d : d;
-            return 1;
-        }
+    if (v == NULL || !PyLong_CheckExact(v)) {
+        return 0;
     }
-#else
-    (void)v;
-    (void)out;
-#endif
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        *out = PyUnstable_Long_CompactValue((PyLongObject *)v);
+        return 1;
+    }
     return 0;
+#else
+    int overflow;
+    long x = PyLong_AsLongAndOverflow(v, &overflow); /* (never raises for an int) */
+    if (overflow || x >= KVSAN_SMALL_INT_LIMIT || x <= -KVSAN_SMALL_INT_LIMIT) {
+        return 0;
+    }
+    *out = (Py_ssize_t)x;
+    return 1;
+#endif
 }
 
 #ifdef KVSAN_IDENTITY_SLOTS
@@ -193,7 +255,7 @@ ident_set(PyObject *chain, int f, PyObject *value)
  * request for the garbage collector to track; a Links is neither tracked
  * nor a holder of objects.  Its interface version is kvsan._tokenlinks's
  * ABI, which kvsan._shadowfast checks before it reads one in line. */
-#define KVSAN_TOKENLINKS_ABI 8
+#define KVSAN_TOKENLINKS_ABI 9
 
 typedef struct {
     PyObject_HEAD

@@ -47,8 +47,8 @@ acc_finish(Py_uhash_t acc, Py_ssize_t len)
     return (Py_hash_t)acc;
 }
 
-/* hash(item) for a token id, read from the int's digit where it has at most
- * one (small_int; CPython's long_hash gives the value, -1 becoming -2), else
+/* hash(item) for a token id, its value where it is a small int (small_int:
+ * below 2**30, where CPython's long_hash gives the value, -1 becoming -2), else
  * PyObject_Hash: a block's 16 token hashes would be 16 calls through the type */
 static inline Py_hash_t
 token_hash(PyObject *item)
@@ -66,9 +66,12 @@ token_hash(PyObject *item)
 static inline Py_hash_t
 link_hash(Py_hash_t x)
 {
-#if defined(_PyHASH_MODULUS) && SIZEOF_PY_HASH_T == 8
+#if SIZEOF_PY_HASH_T == 8
+    /* sys.hash_info.modulus of a 64-bit build (documented: "Hashing of
+     * numeric types"), which kvsan.checks.identity's tests compare with */
+    const Py_uhash_t modulus = ((Py_uhash_t)1 << 61) - 1;
     Py_uhash_t mag = x < 0 ? (Py_uhash_t)0 - (Py_uhash_t)x : (Py_uhash_t)x;
-    Py_hash_t h = (Py_hash_t)(mag % (Py_uhash_t)_PyHASH_MODULUS);
+    Py_hash_t h = (Py_hash_t)(mag % modulus);
     h = x < 0 ? -h : h;
     return h == -1 ? -2 : h;
 #else
@@ -547,6 +550,10 @@ error: /* all or nothing: the three chains cut back to where they were */
  * cache_salt, as ``_chain`` starts it: the static digests are those
  * ``_chain`` would give it (the caller passes them), and the callback drops
  * the entry with the Request. */
+/* weakref.ref, the type RequestIdentity derives from (from the _weakref
+ * module at init: a strong reference) */
+static PyTypeObject *weakref_type = NULL;
+
 static PyObject *s_request_id, *s_mm_features, *s_prompt_embeds, *s_all_token_ids,
     *s_lora_request, *s_cache_salt, *s_rid, *s_TEXT_ONLY;
 
@@ -562,7 +569,7 @@ static PyObject *
 new_identity(PyObject *type, PyObject *statics, PyObject *request, PyObject *callback,
              PyObject *rid)
 {
-    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, &_PyWeakref_RefType)) {
+    if (!PyType_Check(type) || !PyType_IsSubtype((PyTypeObject *)type, weakref_type)) {
         PyErr_SetString(PyExc_TypeError, "known_chain: make[0] must be a weakref.ref type");
         return NULL;
     }
@@ -571,7 +578,7 @@ new_identity(PyObject *type, PyObject *statics, PyObject *request, PyObject *cal
         return NULL;
     }
     /* weakref.ref's own __new__, as RequestIdentity.__new__ calls it */
-    PyObject *ident = _PyWeakref_RefType.tp_new((PyTypeObject *)type, targs, NULL);
+    PyObject *ident = weakref_type->tp_new((PyTypeObject *)type, targs, NULL);
     Py_DECREF(targs);
     if (ident == NULL) {
         return NULL;
@@ -811,11 +818,26 @@ PyInit__tokenlinks(void)
     if (ident_names_init() < 0 || PyType_Ready(&LinksType) < 0) {
         return NULL;
     }
+    if (weakref_type == NULL) {
+        PyObject *wr = PyImport_ImportModule("_weakref");
+        PyObject *ref = wr == NULL ? NULL : PyObject_GetAttrString(wr, "ref");
+        Py_XDECREF(wr);
+        if (ref == NULL) {
+            return NULL;
+        }
+        if (!PyType_Check(ref)) {
+            Py_DECREF(ref);
+            PyErr_SetString(PyExc_TypeError, "kvsan._tokenlinks: _weakref.ref is not a type");
+            return NULL;
+        }
+        weakref_type = (PyTypeObject *)ref;
+    }
     PyObject *m = PyModule_Create(&tokenlinks_module);
     if (m == NULL) {
         return NULL;
     }
     if (PyModule_AddIntConstant(m, "ABI", KVSAN_TOKENLINKS_ABI) < 0
+        || PyModule_AddIntConstant(m, "AVAILABLE", 1) < 0
         || PyModule_AddObjectRef(m, "Links", (PyObject *)&LinksType) < 0) {
         Py_DECREF(m);
         return NULL;

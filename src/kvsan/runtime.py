@@ -138,9 +138,18 @@ def get() -> Runtime | None:
     return _runtime
 
 
+#: called with the new runtime after every :func:`set_runtime` (the only
+#: place that assigns ``_runtime``): code that keeps ``_runtime`` as last
+#: read (kvsan's native hooks: ``kvsan._hookfast.runtime_changed``) reads it
+#: anew.  Registered by whoever keeps it (:func:`kvsan.hooks.use_native`).
+_WATCHERS: list = []
+
+
 def set_runtime(rt: Runtime | None) -> None:
     global _runtime
     _runtime = rt
+    for watcher in _WATCHERS:
+        watcher(rt)
 
 
 #: the parent's runtime, between a fork and the moment the child knows who

@@ -74,7 +74,7 @@ def use_native(on: bool = True) -> bool:
     """Compute token links with ``kvsan._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
     global _links, _extend_text, known_chain, reap, _new_links
-    mod = native.load("_tokenlinks", 8) if on else None
+    mod = native.load("_tokenlinks", 9) if on else None
     _new_links = mod.Links if mod is not None else list
     _links = mod.links if mod is not None else None
     _extend_text = mod.extend_text if mod is not None else None

@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
+import types
 import weakref
 from dataclasses import dataclass
 from time import perf_counter as _perf_counter
@@ -72,8 +73,15 @@ _patched: list[tuple[object, str, object, object]] = []
 #: bytecode, on every frame looked at.
 OWNER_FRAMES: dict = {}
 #: the same methods for the native reader: id -> (code object, index of the
-#: local in the frame's fast locals, attribute or None)
+#: local in the frame's fast locals, attribute or None, local name).  Changed
+#: only through :func:`_register_owner` and :func:`uninstrument`, which tell
+#: the reader (its cache in front of this dict: ``owners_changed``).
 OWNER_SLOTS: dict = {}
+
+
+def _owners_changed() -> None:
+    if NATIVE is not None:
+        NATIVE.owners_changed()
 
 
 def _all_subclasses(cls):
@@ -191,7 +199,8 @@ def _register_owner(fn, spec) -> bool:
     if code is None or spec[0] not in code.co_varnames:
         return False
     OWNER_FRAMES[id(code)] = (code, spec)
-    OWNER_SLOTS[id(code)] = (code, code.co_varnames.index(spec[0]), spec[1])
+    OWNER_SLOTS[id(code)] = (code, code.co_varnames.index(spec[0]), spec[1], spec[0])
+    _owners_changed()
     return True
 
 
@@ -258,14 +267,17 @@ SHADOWFAST = None
 #: patched while it is set get them; see :attr:`Target.fast`)
 HOOKFAST = None
 #: the version of ``kvsan._hookfast``'s interface this code calls (its ``ABI``)
-HOOKFAST_ABI = 11
+HOOKFAST_ABI = 12
+#: the versions of ``kvsan._frames``' and ``kvsan._shadowfast``'s interfaces
+FRAMES_ABI = 2
+SHADOWFAST_ABI = 12
 #: ``kvsan._hookfast.Hook`` once the module was loaded (hooks made while it
 #: was in use stay installed when it is switched off)
 _HOOK_TYPE = None
 
 
 def use_native(on: bool = True) -> bool:
-    """Use kvsan's C speed-ups (built with the package, CPython 3.11):
+    """Use kvsan's C speed-ups (built with the package, CPython 3.10 to 3.13):
     ``kvsan._frames`` to read call contexts, ``kvsan._shadowfast`` for
     clean allocator events, ``kvsan._hookfast`` for the hottest BlockPool
     hooks (methods patched from now on), ``kvsan._tokenlinks`` for the identity
@@ -292,17 +304,87 @@ def use_native(on: bool = True) -> bool:
         adapter._refresh_make()
     if not on:
         return False
-    frames = native.load("_frames", 1)
+    frames = native.load("_frames", FRAMES_ABI)
     if frames is not None:
         frames.configure(TRAMPOLINE_CODE, HOOKS_DIR, SITES, site_text, OWNER_SLOTS, OWNER_DEPTH,
                          ENGINE_FILE)
         NATIVE = frames
-    SHADOWFAST = native.load("_shadowfast", 11)
+    SHADOWFAST = native.load("_shadowfast", SHADOWFAST_ABI)
+    if SHADOWFAST is not None:
+        for prop, member in _PROPERTY_SLOTS.values():
+            if member is not None:
+                SHADOWFAST.property_slot(prop, member)
     hookfast = native.load("_hookfast", HOOKFAST_ABI)
     if hookfast is not None and NATIVE is not None and SHADOWFAST is not None:
         hookfast.configure(vars(_runtime), NATIVE.context, pool_checker, guard_failed)
+        if hookfast.runtime_changed not in _runtime._WATCHERS:  # (it keeps _runtime)
+            _runtime._WATCHERS.append(hookfast.runtime_changed)
         HOOKFAST, _HOOK_TYPE = hookfast, hookfast.Hook
     return NATIVE is not None and SHADOWFAST is not None and HOOKFAST is not None and checks
+
+
+#: (class, attribute name) -> (property, member descriptor or None): see
+#: :func:`property_slot`
+_PROPERTY_SLOTS: dict = {}
+
+#: instructions ``dis`` may list around ``return self.<name>`` that do
+#: nothing (RESUME from 3.11 on, inline CACHE entries, NOP, EXTENDED_ARG)
+_GETTER_SKIP = frozenset({"RESUME", "NOP", "CACHE", "EXTENDED_ARG"})
+
+
+def _slot_getter(prop) -> str | None:
+    """The attribute name ``prop``'s getter only returns (its code is
+    ``return self.<name>`` and nothing else), else None."""
+    import dis
+
+    fget = getattr(prop, "fget", None)
+    code = getattr(fget, "__code__", None)
+    if (type(fget) is not type(_trampoline) or code is None or code.co_argcount != 1
+            or code.co_kwonlyargcount or code.co_posonlyargcount or fget.__closure__):
+        return None
+    ops = [(i.opname, i.argval) for i in dis.get_instructions(code)
+           if i.opname not in _GETTER_SKIP]
+    if (len(ops) == 3 and ops[0] == ("LOAD_FAST", code.co_varnames[0])
+            and ops[1][0] == "LOAD_ATTR" and ops[2] == ("RETURN_VALUE", None)):
+        return ops[1][1]
+    return None
+
+
+def property_slot(cls, name: str):
+    """The member descriptor (a ``__slots__`` entry) that property ``name`` of
+    ``cls`` only returns, else None; where there is one and
+    ``kvsan._shadowfast`` is in use, it reads the property as that slot.
+
+    vLLM's ``KVCacheBlock.block_hash`` is ``@property def block_hash(self):
+    return self._block_hash`` over a slot: read through the property, every
+    read runs a Python frame.  Decided here, in Python: the getter's
+    instructions are ``return self.<slot>`` (read with ``dis``), the slot is
+    a member descriptor of ``cls``, and on a probe instance (made with
+    ``object.__new__``, the slot set to a sentinel) the property returns
+    that sentinel.  Anything else keeps the property."""
+    key = (cls, name)
+    if key in _PROPERTY_SLOTS:
+        return _PROPERTY_SLOTS[key][1]
+    import inspect
+
+    prop = inspect.getattr_static(cls, name, None)
+    member = None
+    if type(prop) is property:
+        attr = _slot_getter(prop)
+        cand = inspect.getattr_static(cls, attr, None) if attr is not None else None
+        if type(cand) is types.MemberDescriptorType:
+            try:
+                probe = object.__new__(cls)
+                sentinel = object()
+                cand.__set__(probe, sentinel)
+                if prop.fget(probe) is sentinel:
+                    member = cand
+            except Exception:  # noqa: BLE001 - not a plain slot: keep the property
+                member = None
+    _PROPERTY_SLOTS[key] = (prop, member)
+    if member is not None and SHADOWFAST is not None:
+        SHADOWFAST.property_slot(prop, member)
+    return member
 
 
 def flush_overhead() -> None:
@@ -413,6 +495,7 @@ def uninstrument(targets: list[Target] | None = None) -> None:
     if targets is None:
         OWNER_FRAMES.clear()
         OWNER_SLOTS.clear()
+        _owners_changed()
         while _patched:
             owner, attr, original, _ = _patched.pop()
             setattr(owner, attr, original)

@@ -111,6 +111,9 @@ def _pool_init(wrapped, instance, args, kwargs):
     )
     fast = _hooks.SHADOWFAST
     if fast is not None:
+        blocks = getattr(instance, "blocks", None)
+        if blocks:  # KVCacheBlock.block_hash read as the slot it returns, where it is one
+            _guard(rt, "shadowfast", _hooks.property_slot, type(blocks[0]), "block_hash")
         table = _guard(rt, "shadowfast", fast.Table, ck.shadow, ck._mismatched, ck.counters)
         if table is not None:
             ck.use_fast(table)
