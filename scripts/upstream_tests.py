@@ -643,6 +643,13 @@ def failure_reason(c: Case) -> str:
         return f"needs the weights of `{m.group(1)}/{m.group(2)}` (offline run)"
     if "LocalEntryNotFoundError" in text or "outgoing traffic has been disabled" in text:
         return "needs files from the model hub (offline run)"
+    m = re.search(r"'_OpNamespace' '_C' object has no attribute '(\w+)'", text)
+    if m:  # (--cpu-host: the engine's CPU worker on a CUDA build)
+        return (f"starts an engine, whose CPU worker needs vLLM's CPU kernels "
+                f"(`torch.ops._C.{m.group(1)}`): a CUDA build has none")
+    m = re.search(r"validation error for (\w+)\s.*?Value error, ([^\n\[]+)", text, re.S)
+    if m and "ValidationError" in c.message:  # (the reason, not pydantic's header)
+        return first_line(f"{m.group(1)} refuses: {m.group(2).strip()}")
     return first_line(c.message)
 
 

@@ -146,6 +146,20 @@ def test_failure_reasons():
                       "(Worker pid=1) ERROR RuntimeError: Cannot find any model weights with "
                       "`/r/.upstream/hf/hub/models--Qwen--Qwen3-0.6B/snapshots/000`")
     assert up.failure_reason(weights) == "needs the weights of `Qwen/Qwen3-0.6B` (offline run)"
+    cpu_worker = up.Case("t", "failed", "RuntimeError: Engine core initialization failed.",
+                         "(VllmWorker-0 pid=6) ERROR AttributeError: '_OpNamespace' '_C' "
+                         "object has no attribute 'init_cpu_memory_env'")
+    assert up.failure_reason(cpu_worker) == (
+        "starts an engine, whose CPU worker needs vLLM's CPU kernels "
+        "(`torch.ops._C.init_cpu_memory_env`): a CUDA build has none")
+    refused = up.Case("t", "failed", "pydantic_core._pydantic_core.ValidationError: 1 "
+                      "validation error for VllmConfig",
+                      "E       pydantic_core._pydantic_core.ValidationError: 1 validation error "
+                      "for VllmConfig\nE         Value error, Async scheduling is not supported "
+                      "by the V1 model runner with pipeline parallelism. [type=value_error, x]")
+    assert up.failure_reason(refused) == ("VllmConfig refuses: Async scheduling is not "
+                                          "supported by the V1 model runner with pipeline "
+                                          "parallelism.")
     other = up.Case("t", "failed", "AssertionError: 1 == 2\nmore")
     assert up.failure_reason(other) == "AssertionError: 1 == 2"
 
