@@ -69,3 +69,42 @@ def test_a_scribble_on_ray_rank_1_is_reported_by_rank_1_only(ray_run):
     assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
             for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
                                  "worker", 0, 1)], found
+
+
+_ROLE_PROBE = r"""
+import json, ray
+from kvsan.hooks.vllm import processes
+
+def role_of(name):
+    cls = type(name, (), {"role": lambda self: (processes.role(), processes.ray_actor_class())})
+    return ray.get(ray.remote(num_cpus=0)(cls).remote().role.remote())
+
+ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+try:
+    got = {n: role_of(n) for n in ("RayWorkerWrapper", "RayWorkerProc", "EngineCoreActor",
+                                   "DPMoEEngineCoreActor", "SomeUserActor")}
+    got["driver"] = (processes.role(), processes.ray_actor_class())
+finally:
+    ray.shutdown()
+print("ROLES " + json.dumps(got))
+"""
+
+
+def test_a_ray_actor_process_takes_its_role_from_the_actor_class():
+    """Every vLLM Ray actor class kvsan knows maps to its role, in a real Ray
+    actor process (named ``MainProcess``, as all of Ray's are); another
+    actor, and the driver, stay ``frontend``."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", _ROLE_PROBE], capture_output=True,
+                          text=True, timeout=300,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("ROLES "))
+    got = {k: tuple(v) for k, v in json.loads(line[6:]).items()}
+    assert got == {"RayWorkerWrapper": ("worker", "RayWorkerWrapper"),
+                   "RayWorkerProc": ("worker", "RayWorkerProc"),
+                   "EngineCoreActor": ("engine", "EngineCoreActor"),
+                   "DPMoEEngineCoreActor": ("engine", "DPMoEEngineCoreActor"),
+                   "SomeUserActor": ("frontend", "SomeUserActor"),
+                   "driver": ("frontend", None)}
