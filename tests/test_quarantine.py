@@ -133,6 +133,54 @@ def test_a_failure_in_the_pressure_hook_does_not_reach_vllm(pressure, monkeypatc
     assert kinds_of(rt) == []
 
 
+@pytest.fixture
+def quarantined(rt):
+    """The quarantine hooks installed as the plugin installs them for
+    ``KVSAN_QUARANTINE=3`` (a freed private block is held for 3 steps)."""
+    from kvsan.config import Config
+    from kvsan.hooks.vllm import quarantine as vllm_quarantine
+
+    assert vllm_quarantine.install(Config(enabled=True, quarantine=3)) == [
+        "quarantine:BlockPool.free_blocks", "quarantine:Scheduler.schedule",
+        "quarantine:BlockPool.reset_prefix_cache"]
+    try:
+        yield rt
+    finally:
+        vllm_quarantine.uninstall()
+        vllm_quarantine._held.clear()
+
+
+@pytest.mark.own_errors
+def test_a_failure_handing_back_quarantined_blocks_does_not_reach_vllm(quarantined,
+                                                                      monkeypatch):
+    """log mode: quarantine holds a freed private block; when handing it
+    back (here at ``reset_prefix_cache``, which needs every block free)
+    fails inside kvsan, the failure is counted at site ``quarantine`` and
+    vLLM's own reset still runs."""
+    from kvsan.hooks.vllm import quarantine as vllm_quarantine
+
+    rt = quarantined
+    m = make_manager(12)
+    a = make_request(PREFIX + [1000], "A")  # three cached blocks and a private fourth
+    schedule(m, a)
+    private = m.get_block_ids("A")[0][3]
+    end(m, a)
+    pool = m.block_pool
+    assert list(vllm_quarantine._held[pool]) == [private]
+    assert pool.blocks[private].ref_cnt == 1  # held: out of the free queue
+
+    def broken(pool, everything=False):
+        raise RuntimeError("kvsan bug")
+
+    monkeypatch.setattr(vllm_quarantine, "release", broken)
+    before = rt.reporter.internal_errors
+    # vLLM's own reset ran and answered (False: the held block is not free)
+    assert pool.reset_prefix_cache() is False  # and nothing was raised
+    assert rt.reporter.internal_errors == before + 1
+    assert "quarantine" in rt.reporter._error_sites
+    assert kinds_of(rt) == []
+
+
 def test_a_violation_still_propagates_through_the_pressure_hook_in_raise_mode(pressure):
     """raise mode: the violation found inside the engine's free (kvsan's
     allocator hooks run within the pressure wrapper) reaches the caller."""

@@ -90,15 +90,25 @@ def release(pool, everything: bool = False) -> None:
             _releasing.pop()
 
 
+def _release_guarded(pool, everything: bool = False) -> None:
+    """:func:`release` under kvsan's guard: a failure of quarantine's own
+    code is counted as kvsan's error, never raised into ``schedule()`` or
+    ``reset_prefix_cache()`` in log mode (a violation the handed-back free
+    reports still propagates in raise / abort modes)."""
+    rt = _rt.get()
+    if rt is not None and _held.get(pool):
+        _guard(rt, "quarantine", release, pool, everything)
+
+
 def _schedule(wrapped, instance, args, kwargs):
     pool = getattr(getattr(instance, "kv_cache_manager", None), "block_pool", None)
     if pool is not None:
-        release(pool)
+        _release_guarded(pool)
     return wrapped(*args, **kwargs)
 
 
 def _reset(wrapped, instance, args, kwargs):
-    release(instance, everything=True)  # a reset needs every block free
+    _release_guarded(instance, everything=True)  # a reset needs every block free
     return wrapped(*args, **kwargs)
 
 
