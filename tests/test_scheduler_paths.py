@@ -641,3 +641,32 @@ def test_audit_every_step_finds_a_count_changed_behind_the_hooks(rt, python_hook
         rt.config = saved
         if python_hooks and fast is not None:
             fast.enable(True)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_a_free_on_the_abort_path_outside_the_managers_is_charged_to_the_aborted(rt, native):
+    """A free the scheduler's abort path makes outside the KV cache
+    managers (``double_unref_on_abort``: A's cancel drops B's references to
+    the shared prefix a second time, after the manager's own free) is
+    charged to the request being ended: ``Scheduler._free_request`` is an
+    owner frame.  The report names the shared blocks, their live reader B
+    and the aborted A."""
+    from vllm.v1.request import RequestStatus
+
+    from kvsan import hooks
+    from kvsan.hooks.vllm import faults
+
+    hooks.use_native(native)
+    try:
+        sched = running("A", "B", token=860)
+        shared = sorted(set(sched.kv_cache_manager.get_block_ids("A")[0])
+                        & set(sched.kv_cache_manager.get_block_ids("B")[0]))
+        assert len(shared) == 3 and kinds_of(rt) == []
+        faults.inject("double_unref_on_abort")
+        sched.finish_requests(["A"], RequestStatus.FINISHED_ABORTED)
+        fwl = only(rt, "free_with_live_owners")
+        assert sorted(b for v in fwl for b in v.blocks) == shared
+        assert {(tuple(v.owners), v.actor) for v in fwl} == {(("B",), "A")}
+        assert all(v.site.startswith("faults.py:_double_unref_on_abort") for v in fwl)
+    finally:
+        hooks.use_native(rt.config.native)

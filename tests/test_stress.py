@@ -95,6 +95,11 @@ def test_fault_soak_is_found_and_shrunk(model, rt, tmp_path):
         cancelled = {r.rid for r in reqs if r.cancel_after >= 0 or r.timeout >= 0}
         # freed under a live reader by a cancelled request's release path
         assert all(v["owners"] and not set(v["owners"]) & {v["actor"]} for v in fwl)
+        # the fault's first report: the cancelled request's second release of
+        # a block it shared, charged to it (the scheduler's release path)
+        first = res["violations"][0]
+        assert first["kind"] == "double_release" and first["actor"] in cancelled
+        assert first["owners"] == [first["actor"]]
         assert all(set(v["owners"]) <= {r.rid for r in reqs} for v in fwl)
         sig = {"kind": "free_with_live_owners"}
         runs = []

@@ -1109,6 +1109,10 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler.schedule", _schedule, fast=("SCHED", _schedule_ends)),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
                fast=("UPDATE", _update_ends)),
+        # a pool call on a request's release path outside the managers (the
+        # scheduler's abort or finish path) is made for the ending request
+        Target(_SCHED, "Scheduler._free_request", _owner_scoped(_REQUEST, "free"),
+               owner=_REQUEST),
         Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
         Target(_SCHED, "Scheduler._connector_finished", _connector_finished),
         Target(_SCHED, "Scheduler._update_from_kv_xfer_finished",

@@ -135,7 +135,9 @@ FAULTS = {
 #: rank N in its engine (tensor / pipeline parallel)
 WORKER_FAULTS = {"scribble_sealed"}
 
-#: what kvsan is expected to report first for each fault
+#: the kind each fault is expected to show up as (the one its harm is named
+#: by; a fault may report others with it: ``double_unref_on_abort``, charged
+#: to the aborted request, is a ``double_release`` too)
 EXPECTED = {
     "double_unref_on_abort": "free_with_live_owners",
     "leak_on_abort": "leaked_blocks",
