@@ -44,10 +44,13 @@ def _model_config():
 
 
 def make_scheduler(n: int, num_blocks: int, async_scheduling: bool = False,
-                   max_num_batched_tokens: int | None = None):
+                   max_num_batched_tokens: int | None = None,
+                   data_parallel_index: int | None = None):
     """vLLM's real scheduler over a ``num_blocks`` pool for ``n`` running
     requests; with ``async_scheduling``, its ``AsyncScheduler`` (what vLLM
-    runs wherever the executor supports it)."""
+    runs wherever the executor supports it); with ``data_parallel_index``,
+    that engine index set on its parallel config, as vLLM's Ray
+    data-parallel EngineCore actors set theirs."""
     import torch
     from vllm.config import CacheConfig, DeviceConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -68,6 +71,8 @@ def make_scheduler(n: int, num_blocks: int, async_scheduling: bool = False,
     # CPython's lane, scripts/setup_lane.sh) infers none and refuses to start
     vcfg = VllmConfig(scheduler_config=sched_cfg, model_config=_MODEL, cache_config=cache_cfg,
                       device_config=DeviceConfig(device="cpu"))
+    if data_parallel_index is not None:
+        vcfg.parallel_config.data_parallel_index = data_parallel_index
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=1, dtype=torch.float32)
     kv_cfg = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                            kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)])

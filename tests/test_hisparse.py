@@ -134,3 +134,42 @@ def test_a_fenced_free_hands_host_blocks_back_to_the_host_pool(rt):
     manager.block_pool.free_blocks(reversed(blocks))  # the fence passed: drained
     assert rt.violations() == [], [(v.kind, v.blocks, v.owners, v.site) for v in rt.violations()]
     assert device.stats()["live_owned"] == 0
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_spill_pins_are_the_transfer_s_even_under_a_request(rt, native):
+    """A page spill pins the page's device block while the workers copy it
+    and drops the pin once all have: the pin is the transfer's, not a
+    request's.  vLLM 0.31 plans spills inside a request's block allocation
+    (an owner frame is above the pin, none above its release); here the
+    planning runs under A's owner scope the same way.  kvsan charges the pin
+    to a ``pin:`` owner, so its release is clean (it read as A's pin and an
+    ``invalid_release`` by nobody)."""
+    from kvsan import hooks
+    from vllm.v1.hisparse.coordinator import get_hisparse_coordinator
+
+    hooks.use_native(native)
+    try:
+        manager = hisparse_manager(32, 16, max_in_flight_tokens=32)
+        coord = get_hisparse_coordinator(manager)
+        shadow = rt.checkers[manager.block_pool].shadow
+        a = make_request("A", list(range(5 * BS)))
+        assert manager.allocate_slots(a, a.num_tokens) is not None
+        rt.owner_ctx.append(("A", "alloc"))  # (as vLLM 0.31's allocation path)
+        try:
+            coord.advance_scheduled([("A", a.num_tokens)])
+        finally:
+            rt.owner_ctx.pop()
+        cmd = coord.build_offload_command()
+        assert cmd is not None and cmd.page_transfers
+        pinned = [b for t in cmd.page_transfers for b in t.resident_block_ids]
+        assert pinned and all(
+            sorted(o.split(":")[0] for o in shadow.owners(b)) == ["A", "pin"] for b in pinned)
+        counts = {t.transfer_id: 1 for t in cmd.page_transfers}
+        coord.update_spills(counts, counts)  # every worker copied: the pins drop
+        assert all(shadow.owners(b) == ["A"] for b in pinned)
+        manager.free(a)
+        assert rt.violations() == [], [(v.kind, v.blocks, v.owners, v.site)
+                                       for v in rt.violations()]
+    finally:
+        hooks.use_native(rt.config.native)

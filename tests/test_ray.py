@@ -30,15 +30,36 @@ def ray_run(tmp_path_factory):
     from kvsan.harness.tinymodel import ensure_tiny_model
 
     report = tmp_path_factory.mktemp("ray")
+    base = _free_ports_base()
     env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=str(report) + os.sep,
                KVSAN_CHECKSUM="all", KVSAN_INJECT="scribble_sealed@rank1",
+               KVSAN_METRICS_PORT=str(base), KVSAN_METRICS_ADDR="127.0.0.1",
                VLLM_CPU_OMP_THREADS_BIND="0|1")
     for var in ("KVSAN_INJECT_ONLY", "VLLM_ENABLE_V1_MULTIPROCESSING", "RAY_ADDRESS"):
         env.pop(var, None)
     proc = subprocess.run([sys.executable, CHILD, ensure_tiny_model()], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return str(report), _traffic_stats(proc.stdout)
+    return str(report), _traffic_stats(proc.stdout), base
+
+
+def _free_ports_base():
+    """A ``KVSAN_METRICS_PORT`` base whose ports for the front end, the
+    EngineCore and two workers are free here."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 60000, 200)
+        try:
+            for port in (base, base + 1, base + 100, base + 101):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free ports")
 
 
 def events(report, name):
@@ -46,7 +67,7 @@ def events(report, name):
 
 
 def test_kvsan_loads_in_each_ray_worker_as_a_worker(ray_run):
-    report, stats = ray_run
+    report, stats, _ = ray_run
     assert stats["finished"] > 0 and stats["aborted"] > 0 and stats["cached_tokens"] > 0
     # the Ray cluster's own processes never saw KVSAN: what the workers have
     # came through vLLM's copy of the driver's variables
@@ -62,7 +83,7 @@ def test_kvsan_loads_in_each_ray_worker_as_a_worker(ray_run):
 
 
 def test_a_scribble_on_ray_rank_1_is_reported_by_rank_1_only(ray_run):
-    report, _ = ray_run
+    report, _, _ = ray_run
     (fault,) = events(report, "kvsan.fault_applied")
     assert (fault["role"], fault["rank"]) == ("worker", 1)
     found = violations(report)
@@ -71,19 +92,39 @@ def test_a_scribble_on_ray_rank_1_is_reported_by_rank_1_only(ray_run):
                                  "worker", 0, 1)], found
 
 
+def test_each_ray_worker_serves_its_metrics_on_its_rank_s_port(ray_run):
+    """A Ray worker's process name carries no rank: kvsan binds its exporter
+    port (``KVSAN_METRICS_PORT`` + 100 + rank) once vLLM's parallel state
+    has given the rank, so the two ranks never race for one port, and says
+    so (``identity_pending`` at install, then one ``kvsan.identity``)."""
+    report, _, base = ray_run
+    ports = sorted((r["role"], r["rank"], r["port"]) for r in events(report, "kvsan.metrics"))
+    assert ports == [("engine", 0, base + 1), ("frontend", 0, base),
+                     ("worker", 0, base + 100), ("worker", 1, base + 101)], ports
+    ident = sorted((r["role"], r["engine"], r["rank"]) for r in events(report, "kvsan.identity"))
+    assert ident == [("worker", 0, 0), ("worker", 0, 1)]
+    pending = sorted((r["role"], r.get("identity_pending", False))
+                     for r in events(report, "kvsan.installed"))
+    assert pending == [("engine", False), ("frontend", False), ("worker", True),
+                       ("worker", True)]
+    assert events(report, "kvsan.internal_error") == []
+
+
 _ROLE_PROBE = r"""
 import json, ray
 from kvsan.hooks.vllm import processes
 
 def role_of(name):
-    cls = type(name, (), {"role": lambda self: (processes.role(), processes.ray_actor_class())})
+    cls = type(name, (), {"role": lambda self: (processes.role(), processes.ray_actor_class(),
+                                                processes.identity_in_name(processes.role()))})
     return ray.get(ray.remote(num_cpus=0)(cls).remote().role.remote())
 
 ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 try:
     got = {n: role_of(n) for n in ("RayWorkerWrapper", "RayWorkerProc", "EngineCoreActor",
                                    "DPMoEEngineCoreActor", "SomeUserActor")}
-    got["driver"] = (processes.role(), processes.ray_actor_class())
+    got["driver"] = (processes.role(), processes.ray_actor_class(),
+                     processes.identity_in_name(processes.role()))
 finally:
     ray.shutdown()
 print("ROLES " + json.dumps(got))
@@ -102,9 +143,11 @@ def test_a_ray_actor_process_takes_its_role_from_the_actor_class():
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("ROLES "))
     got = {k: tuple(v) for k, v in json.loads(line[6:]).items()}
-    assert got == {"RayWorkerWrapper": ("worker", "RayWorkerWrapper"),
-                   "RayWorkerProc": ("worker", "RayWorkerProc"),
-                   "EngineCoreActor": ("engine", "EngineCoreActor"),
-                   "DPMoEEngineCoreActor": ("engine", "DPMoEEngineCoreActor"),
-                   "SomeUserActor": ("frontend", "SomeUserActor"),
-                   "driver": ("frontend", None)}
+    # (the third: whether the process name told the engine index and rank;
+    # a Ray actor's waits for vLLM's parallel config)
+    assert got == {"RayWorkerWrapper": ("worker", "RayWorkerWrapper", False),
+                   "RayWorkerProc": ("worker", "RayWorkerProc", False),
+                   "EngineCoreActor": ("engine", "EngineCoreActor", False),
+                   "DPMoEEngineCoreActor": ("engine", "DPMoEEngineCoreActor", False),
+                   "SomeUserActor": ("frontend", "SomeUserActor", True),
+                   "driver": ("frontend", None, True)}

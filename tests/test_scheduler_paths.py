@@ -670,3 +670,54 @@ def test_a_free_on_the_abort_path_outside_the_managers_is_charged_to_the_aborted
         assert all(v.site.startswith("faults.py:_double_unref_on_abort") for v in fwl)
     finally:
         hooks.use_native(rt.config.native)
+
+
+def test_an_engine_named_by_no_process_takes_its_index_from_the_scheduler(rt, tmp_path):
+    """An EngineCore whose process name carries no engine index (vLLM's Ray
+    data-parallel EngineCores are Ray actors): when its scheduler is built,
+    kvsan reads the index from the scheduler's parallel config (as vLLM's
+    actor sets it) and every later record carries it, with one
+    ``kvsan.identity`` record saying so; a violation there names engine 1."""
+    from kvsan import runtime
+    from kvsan.config import Config
+    from kvsan.reportfile import read_records
+
+    from benchmarks.sched import make_scheduler
+
+    report = str(tmp_path / "engine.jsonl")
+    mine = runtime.Runtime(Config(enabled=True, log_events=False, report=report),
+                           role="engine", metrics=False)
+    mine.identity_known = False  # (what a Ray actor's process gets)
+    runtime.set_runtime(mine)
+    try:
+        sched = make_scheduler(8, 64, data_parallel_index=1)
+        assert (mine.engine, mine.rank, mine.identity_known) == (1, 0, True)
+        pool = sched.kv_cache_manager.block_pool
+        mine.checkers[pool].on_release([(3, 1, False, 0, True)], "Z", "t.py:free:1")
+        mine.reporter.close()
+    finally:
+        runtime.set_runtime(rt)
+    recs = read_records(report)
+    ident = [r for r in recs if r.get("event") == "kvsan.identity"]
+    assert [(r["role"], r["engine"], r["rank"]) for r in ident] == [("engine", 1, 0)]
+    bad = [r for r in recs if r["record"] == "violation"]
+    assert [(r["kind"], r["engine"], r["blocks"]) for r in bad] == [("invalid_release", 1, [3])]
+
+
+def test_an_engine_named_by_its_process_keeps_its_index(rt):
+    """Where the process name gave the engine index (multiprocessing's
+    ``EngineCore_DPN``), the scheduler's config confirms it: no record."""
+    from kvsan import runtime
+    from kvsan.config import Config
+
+    from benchmarks.sched import make_scheduler
+
+    mine = runtime.Runtime(Config(enabled=True, log_events=False), role="engine",
+                           metrics=False)
+    assert mine.identity_known  # (this process is not a Ray actor)
+    runtime.set_runtime(mine)
+    try:
+        make_scheduler(8, 64)
+        assert (mine.engine, mine.rank) == (0, 0)
+    finally:
+        runtime.set_runtime(rt)

@@ -17,7 +17,9 @@ Two ways, chosen per process at install time:
   worker's port depends on both).  ``KVSAN_METRICS_ADDR`` (default ``0.0.0.0``) is
   the bind address.  Without ``PROMETHEUS_MULTIPROC_DIR`` this is how the
   EngineCore's and the workers' series are reached (the front end's are on
-  vLLM's ``/metrics`` either way).
+  vLLM's ``/metrics`` either way).  A process whose name carries neither
+  (vLLM's Ray actors) binds its port once vLLM's parallel config has told
+  kvsan both, when its scheduler or model runner is built.
 
 Failing to bind never stops the engine: it is counted as a kvsan internal
 error and logged.
@@ -174,8 +176,18 @@ def start(rt) -> int | None:
             util.Finalize(None, _mark_dead, args=(pid, last), exitpriority=0)
         except Exception:  # noqa: BLE001
             pass
+    return start_port(rt)
+
+
+def start_port(rt) -> int | None:
+    """Serve this process's metrics on its own port (``KVSAN_METRICS_PORT``),
+    once its engine index and rank are known: a process whose name does not
+    carry them (a Ray actor's) is served when they are confirmed
+    (:func:`kvsan.runtime.set_identity`), so that two ranks never race for
+    one port."""
+    pid = os.getpid()
     base = metrics_port_from_env()
-    if base is None or rt.metrics is None:
+    if base is None or rt.metrics is None or not rt.identity_known:
         return None
     if pid in _started:
         return _started[pid]

@@ -60,6 +60,9 @@ def install(cfg: _config.Config, role: str | None = None,
         missing=problems,
         contract=contract.summary(),
         **({"forked_from": forked_from.pid} if forked_from is not None else {}),
+        # (engine and rank not in the process's name: a kvsan.identity
+        # record follows once vLLM's parallel config gives them)
+        **({"identity_pending": True} if not rt.identity_known else {}),
     )
     if not contract.holds:  # one event: what is off, and which checks with it
         rt.reporter.event("kvsan.contract", ok=False, vllm=done.version,

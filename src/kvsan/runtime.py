@@ -55,16 +55,29 @@ def detect_identity(role: str) -> tuple[int, int]:
     return _names.identity(role) if _names is not None else (0, 0)
 
 
+def identity_in_name(role: str) -> bool:
+    """Whether this process's engine and rank came from names the engine
+    gave (False: known only once the engine's parallel state is, as in a
+    Ray actor's process; :func:`set_identity` confirms them)."""
+    return _names.identity_in_name(role) if _names is not None else True
+
+
 def set_identity(rt: "Runtime", engine: int, rank: int) -> None:
-    """Correct this process's engine index and rank (once vLLM's parallel
-    state is known): every later record and metric carries them."""
+    """Confirm this process's engine index and rank (once vLLM's parallel
+    state is known): every later record and metric carries them, and an
+    exporter port that waited for them is bound now."""
     engine, rank = int(engine), int(rank)
-    if (engine, rank) == (rt.engine, rt.rank):
-        return
-    rt.engine, rt.rank = engine, rank
-    rt.reporter.engine, rt.reporter.rank = engine, rank
-    if rt.metrics is not None:
-        rt.metrics.relabel(engine, rank)
+    if (engine, rank) != (rt.engine, rt.rank):
+        rt.engine, rt.rank = engine, rank
+        rt.reporter.engine, rt.reporter.rank = engine, rank
+        if rt.metrics is not None:
+            rt.metrics.relabel(engine, rank)
+    if not rt.identity_known:
+        rt.identity_known = True
+        rt.reporter.event("kvsan.identity", confirmed_from="parallel config")
+        from . import exporter
+
+        exporter.start_port(rt)
 
 
 class Runtime:
@@ -82,6 +95,8 @@ class Runtime:
         #: engine (0 for an EngineCore and the front end): with ``role``,
         #: on every record and metric
         self.engine, self.rank = detect_identity(self.role)
+        #: whether they are known yet (the exporter's port waits for them)
+        self.identity_known = identity_in_name(self.role)
         #: N of a front end that is one API server of several, else None
         #: (its exporter port: :func:`kvsan.exporter.port_for`)
         self.api_server = (_names.api_server() if _names is not None and self.role == "frontend"

@@ -26,6 +26,7 @@ from ...journal import StepJournal
 from .. import Target, bind_args, call_context, call_site, guard_failed
 from .. import guard as _guard
 from ..contract import Contract
+from .processes import engine_index
 
 #: the releases kvsan was checked against (major.minor; tests/test_contract.py
 #: checks each one's recorded answers, tests/vllm_releases/).  Where they
@@ -374,6 +375,21 @@ _RID = ("request_id", None)
 _REQUEST = ("request", "request_id")
 
 
+def _scheduler_init(wrapped, instance, args, kwargs):
+    """An EngineCore's engine index, confirmed from its scheduler's parallel
+    config (vLLM's Ray data-parallel EngineCores are Ray actors, whose
+    process names carry none): every later record and metric carries it."""
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    if rt is not None and rt.role == "engine":
+        _guard(rt, "engine identity", _confirm_engine, rt, instance)
+    return ret
+
+
+def _confirm_engine(rt, sched) -> None:
+    _rt.set_identity(rt, engine_index(sched.vllm_config.parallel_config), 0)
+
+
 def _owner_scoped(spec: tuple[str, str | None], tag: str):
     """The fallback of an owner frame whose method is not a plain function:
     push the request named by the method's first argument (read as ``spec``
@@ -386,6 +402,24 @@ def _owner_scoped(spec: tuple[str, str | None], tag: str):
             return wrapped(*args, **kwargs)
         value = args[0] if args else kwargs.get(name)
         rt.owner_ctx.append((getattr(value, attr) if attr else value, tag))
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            rt.owner_ctx.pop()
+
+    return wrapper
+
+
+def _unowned(tag: str):
+    """A method whose pool calls are made for no request, whatever owner
+    frame is above it: an entry with no owner on the owner stack while it
+    runs (the pool's hooks then name a ``pin:``/``anon:`` owner by call
+    site, as for a call with no request on the stack)."""
+    def wrapper(wrapped, instance, args, kwargs):
+        rt = _rt._runtime
+        if rt is None:
+            return wrapped(*args, **kwargs)
+        rt.owner_ctx.append((None, tag))
         try:
             return wrapped(*args, **kwargs)
         finally:
@@ -1053,10 +1087,15 @@ def hisparse_targets() -> list[Target]:
     release a request's resident pages through ``BlockPool.unpin_blocks``
     (the page stays readable until the pool hands it out again), whose
     ``free`` unpins what is left, and which pins the GPU copies a prefix
-    hit adopts: each is the named request's.  (Its spill pins, taken and
-    dropped per transfer, stay unattributed on both sides.)
+    hit adopts: each is the named request's.  Its spill pins, taken per
+    page transfer and dropped when every worker has copied the page, are
+    the transfer's on both sides (``pin:<site>``), never the request's
+    whose frame is above the transfer's planning (vLLM 0.31 plans spills
+    inside a request's block allocation; its release comes later, with no
+    request on the stack).
     Installed when vLLM imports the module (most deployments never do)."""
     return [
+        Target(_HISPARSE, "HiSparseCoordinator._plan_page_transfer", _unowned("spill")),
         Target(_HISPARSE, "HiSparseCoordinator._unpin_page", _owner_scoped(_RID, "free"),
                owner=_RID),
         Target(_HISPARSE, "HiSparseCoordinator.free", _owner_scoped(_RID, "free"), owner=_RID),
@@ -1105,6 +1144,7 @@ def targets() -> list[Target]:
                owner=_REQUEST),
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
         Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
+        Target(_SCHED, "Scheduler.__init__", _scheduler_init),
         Target(_SCHED, "Scheduler.add_request", _add_request, True),
         Target(_SCHED, "Scheduler.schedule", _schedule, fast=("SCHED", _schedule_ends)),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
@@ -1154,6 +1194,7 @@ CONTRACT = Contract(
         f"{_KVM}:KVCacheManager.allocate_slots": ("request",),
         f"{_KVM}:KVCacheManager.free": ("request",),
         f"{_KVC}:KVCacheCoordinator.pop_blocks_for_free": ("request_id",),
+        f"{_SCHED}:Scheduler.__init__": (),
         f"{_SCHED}:Scheduler.add_request": ("request",),
         f"{_SCHED}:Scheduler.schedule": (),
         f"{_SCHED}:Scheduler.update_from_output": (),
@@ -1171,7 +1212,7 @@ CONTRACT = Contract(
         f"{_STM}:SingleTypeKVCacheManager": ("block_pool", "req_to_blocks", "kv_cache_group_id"),
         f"{_KVM}:KVCacheManager": ("block_pool", "coordinator"),
         f"{_KVC}:KVCacheCoordinator": ("block_pool", "single_type_managers"),
-        f"{_SCHED}:Scheduler": ("requests", "kv_cache_manager"),
+        f"{_SCHED}:Scheduler": ("requests", "kv_cache_manager", "vllm_config"),
         "vllm.v1.request:Request": ("request_id",),
     },
 )

@@ -11,7 +11,8 @@ worker whose runner kvsan hooks confirms them from vLLM's parallel state.
 Under Ray, vLLM's workers and data-parallel EngineCores are Ray actors:
 their processes are Ray's, named ``MainProcess``.  There the role is read
 from the class of the actor the process hosts (:data:`RAY_ACTORS`); the
-rank from vLLM's parallel state, once the runner is hooked.
+rank from vLLM's parallel state, once the runner is hooked; an EngineCore's
+engine index from its parallel config, once its scheduler is built.
 """
 
 from __future__ import annotations
@@ -57,6 +58,25 @@ def ray_actor_class() -> str | None:
         return ctx.current_actor._ray_actor_creation_function_descriptor.class_name
     except Exception:  # noqa: BLE001 - a Ray without it: no Ray role
         return None
+
+
+def identity_in_name(role: str) -> bool:
+    """Whether :func:`identity` read this process's engine and rank from
+    names vLLM gave (False in a Ray actor's process, which Ray names: the
+    engine index and rank are known only from vLLM's parallel config,
+    :func:`engine_index`, once the scheduler or the runner is built)."""
+    return role == "frontend" or ray_actor_class() is None
+
+
+def engine_index(parallel_config) -> int:
+    """The data-parallel engine index of an EngineCore or worker from vLLM's
+    parallel config: ``data_parallel_index`` where vLLM has it (its Ray
+    data-parallel actors set it to their DP rank), else
+    ``data_parallel_rank``."""
+    engine = getattr(parallel_config, "data_parallel_index", None)
+    if engine is None:
+        engine = parallel_config.data_parallel_rank
+    return int(engine)
 
 
 def identity(role: str) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from ...checks.device import DeviceChecker
 from ...checks.device.loads import ConnectorLoads
 from .. import Target, guard_failed
 from . import inputs as vllm_inputs
+from .processes import engine_index
 from .. import guard as _guard
 from ..contract import Contract
 
@@ -201,11 +202,8 @@ def parallel_identity(runner) -> tuple[int, int] | None:
     if not ps.model_parallel_is_initialized():
         return None
     cfg = runner.parallel_config
-    engine = getattr(cfg, "data_parallel_index", None)
-    if engine is None:
-        engine = cfg.data_parallel_rank
     rank = ps.get_world_group().rank_in_group % max(int(cfg.world_size), 1)
-    return int(engine), int(rank)
+    return engine_index(cfg), int(rank)
 
 
 def _identify(rt, runner) -> None:
