@@ -822,16 +822,24 @@ def _request_ended(sched, request) -> None:
                 ck.on_request_pending_release(rid, status)
             else:
                 ck.on_request_released(rid, status, call_site(1))
-        else:  # the call site is read only for a request with something to report
-            site = call_site(1) if ck.shadow.held.get(rid) else "?"
-            ck.on_request_released(rid, status, site)
-            _stale_tables(rt, ck, sched, rid, None if site == "?" else site)
+        else:
+            _request_released(rt, ck, sched, rid, status, True)
         if _hooks.HOOKFAST is not None:
             _hand_ends_to_native(rt, sched, ck)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
     finally:
         rt.overhead_s += _perf_counter() - t0
+
+
+def _request_released(rt, ck, sched, rid: str, reason: str, final: bool) -> None:
+    """``rid``'s release path ran and nothing delays its free (its end, or
+    a preemption: ``final`` False): it must hold nothing, and no manager's
+    table may still list blocks for it.  The call site is read only for a
+    request with something to report."""
+    site = call_site(2) if ck.shadow.held.get(rid) else "?"
+    ck.on_request_released(rid, reason, site, final)
+    _stale_tables(rt, ck, sched, rid, None if site == "?" else site)
 
 
 def _connector_finished(wrapped, instance, args, kwargs):
@@ -946,11 +954,7 @@ def _preempted(sched, request) -> None:
         return
     t0 = _perf_counter()  # guarded inline, as _guard does
     try:
-        rid = request.request_id
-        # the call site is read only for a request with something to report
-        site = call_site(1) if ck.shadow.held.get(rid) else "?"
-        ck.on_request_released(rid, "preempted", site, False)
-        _stale_tables(rt, ck, sched, rid, None if site == "?" else site)
+        _request_released(rt, ck, sched, request.request_id, "preempted", False)
         if _hooks.HOOKFAST is not None:
             _hand_ends_to_native(rt, sched, ck)
     except Exception as e:  # noqa: BLE001 - report first, never mask
