@@ -376,18 +376,21 @@ _REQUEST = ("request", "request_id")
 
 
 def _scheduler_init(wrapped, instance, args, kwargs):
-    """An EngineCore's engine index, confirmed from its scheduler's parallel
-    config (vLLM's Ray data-parallel EngineCores are Ray actors, whose
-    process names carry none): every later record and metric carries it."""
-    ret = wrapped(*args, **kwargs)
+    """The engine index of the process that hosts a scheduler, confirmed
+    from its parallel config (vLLM's Ray data-parallel EngineCores are Ray
+    actors, whose process names carry none; an external launcher's ranks
+    each run an in-process engine in a front end): every later record and
+    metric carries it, from the scheduler's own pool on (read before the
+    scheduler builds it)."""
     rt = _rt._runtime
-    if rt is not None and rt.role == "engine":
-        _guard(rt, "engine identity", _confirm_engine, rt, instance)
-    return ret
+    if rt is not None and rt.role != "worker":
+        cfg = args[0] if args else kwargs.get("vllm_config")
+        _guard(rt, "engine identity", _confirm_engine, rt, cfg)
+    return wrapped(*args, **kwargs)
 
 
-def _confirm_engine(rt, sched) -> None:
-    _rt.set_identity(rt, engine_index(sched.vllm_config.parallel_config), 0)
+def _confirm_engine(rt, vllm_config) -> None:
+    _rt.set_identity(rt, engine_index(vllm_config.parallel_config), rt.rank)
 
 
 def _owner_scoped(spec: tuple[str, str | None], tag: str):

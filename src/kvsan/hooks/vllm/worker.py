@@ -195,24 +195,29 @@ def parallel_identity(runner) -> tuple[int, int] | None:
     """``(engine, rank)`` of the worker running ``runner``, from vLLM's own
     state: the data-parallel engine index of its parallel config, and its
     rank in its engine's world (TP x PP x PCP; vLLM's world group spans the
-    DP engines of a MoE model, hence the modulo).  None before vLLM's
-    parallel groups exist (a runner outside a worker's set-up)."""
+    DP engines of a MoE model, and an external launcher's, hence the
+    modulo).  None before vLLM's parallel groups exist (a runner outside
+    a worker's set-up)."""
     from vllm.distributed import parallel_state as ps
 
     if not ps.model_parallel_is_initialized():
         return None
     cfg = runner.parallel_config
-    rank = ps.get_world_group().rank_in_group % max(int(cfg.world_size), 1)
+    # (one engine's world: an external launcher's ``world_size`` also
+    # counts its data-parallel ranks)
+    per_engine = (int(cfg.pipeline_parallel_size) * int(cfg.tensor_parallel_size)
+                  * int(getattr(cfg, "prefill_context_parallel_size", 1) or 1))
+    rank = ps.get_world_group().rank_in_group % max(per_engine, 1)
     return engine_index(cfg), int(rank)
 
 
 def _identify(rt, runner) -> None:
-    """Set the worker's engine and rank (on every later record and metric)
+    """Set the process's engine and rank (on every later record and metric)
     once, when its runner's checker is made: vLLM's parallel state is the
-    authority; the process name gave the first guess.  Only where the
-    runner is a worker's (an in-process engine's stays the front end's)."""
-    if rt.role != "worker":
-        return
+    authority; the process name gave the first guess.  A runner in a front
+    end or an EngineCore is its in-process engine's: 0 and 0 for one engine,
+    its data-parallel index and rank where an external launcher (torchrun)
+    made each process one rank of a data- or tensor-parallel deployment."""
     try:
         got = parallel_identity(runner)
         if got is not None:
