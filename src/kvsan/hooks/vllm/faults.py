@@ -168,8 +168,12 @@ def applies(spec: str, role: str, rank: int) -> bool:
         return role != "worker"
     if only_rank is None or only_rank == rank:
         return True
-    # a Ray actor's process name carries no rank: the fault decides when it
-    # fires, once the runner told kvsan the rank (:func:`_rank_matches`)
+    # where the process name carries no rank (a Ray actor's; a front end,
+    # whose in-process engine an external launcher may have made one rank
+    # of several) the fault decides when it fires, once the runner told
+    # kvsan the rank (:func:`_rank_matches`)
+    if role == "frontend":
+        return True
     from .processes import ray_actor_class
 
     return role == "worker" and ray_actor_class() is not None
