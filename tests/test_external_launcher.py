@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from kvsan.reportfile import read_records, violations
+from test_tensor_parallel import events, only_the_scribble
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -58,10 +58,6 @@ def launched_tp(tmp_path_factory):
     return _launch(tmp_path_factory, "tp", KVSAN_INJECT="scribble_sealed@rank1")
 
 
-def events(report, name):
-    return [r for r in read_records(report) if r.get("event") == name]
-
-
 def test_each_rank_checks_its_own_engine_labelled_with_its_index(launched):
     report, results = launched
     assert results == {0: [24, 24], 1: [24, 24]}
@@ -78,12 +74,7 @@ def test_each_rank_checks_its_own_engine_labelled_with_its_index(launched):
 
 def test_a_scribble_on_engine_1_is_reported_by_engine_1_only(launched):
     report, _ = launched
-    (fault,) = events(report, "kvsan.fault_applied")
-    assert fault["engine"] == 1
-    found = violations(report)
-    assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
-            for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
-                                 "frontend", 1, 0)], found
+    only_the_scribble(report, "frontend", engine=1, rank=0)
 
 
 def test_tensor_parallel_ranks_each_check_their_shard_and_name_their_rank(launched_tp):
@@ -92,10 +83,5 @@ def test_tensor_parallel_ranks_each_check_their_shard_and_name_their_rank(launch
     on = events(report, "kvsan.device_on")
     assert sorted((r["role"], r["engine"], r["rank"]) for r in on) == [
         ("frontend", 0, 0), ("frontend", 0, 1)]
-    (fault,) = events(report, "kvsan.fault_applied")
-    assert (fault["engine"], fault["rank"]) == (0, 1)
-    found = violations(report)
-    assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
-            for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
-                                 "frontend", 0, 1)], found
+    only_the_scribble(report, "frontend", engine=0, rank=1)
     assert events(report, "kvsan.internal_error") == []

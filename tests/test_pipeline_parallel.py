@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from test_tensor_parallel import CHILD, events, only_the_scribble_on_rank_1
+from test_tensor_parallel import CHILD, events, only_the_scribble
 
 from kvsan.harness.demo import _traffic_stats
 from kvsan.reportfile import read_records
@@ -55,7 +55,7 @@ def test_each_stage_checks_its_own_layers_and_a_scribble_on_stage_1_is_its_alone
     assert events(report, "kvsan.internal_error") == []  # (ranks confirmed from vLLM's state)
     assert events(report, "kvsan.device_off") == []
 
-    found = only_the_scribble_on_rank_1(report)
+    found = only_the_scribble(report)
     # the index among the stage's own cache layers: stage 1 holds one, the
     # model's layer 1 (the scribble went into its first)
     assert found[0]["details"][0]["layers"] == [0]

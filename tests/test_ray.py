@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from kvsan.harness.demo import _traffic_stats
-from kvsan.reportfile import read_records, violations
+from test_serve import free_port_block
+from test_tensor_parallel import events, only_the_scribble
 
 pytest.importorskip("ray")
 
@@ -30,7 +31,7 @@ def ray_run(tmp_path_factory):
     from kvsan.harness.tinymodel import ensure_tiny_model
 
     report = tmp_path_factory.mktemp("ray")
-    base = _free_ports_base()
+    base = free_port_block((0, 1, 100, 101))  # front end, EngineCore, two workers
     env = dict(os.environ, KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=str(report) + os.sep,
                KVSAN_CHECKSUM="all", KVSAN_INJECT="scribble_sealed@rank1",
                KVSAN_METRICS_PORT=str(base), KVSAN_METRICS_ADDR="127.0.0.1",
@@ -41,29 +42,6 @@ def ray_run(tmp_path_factory):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return str(report), _traffic_stats(proc.stdout), base
-
-
-def _free_ports_base():
-    """A ``KVSAN_METRICS_PORT`` base whose ports for the front end, the
-    EngineCore and two workers are free here."""
-    import random
-    import socket
-
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randrange(20000, 60000, 200)
-        try:
-            for port in (base, base + 1, base + 100, base + 101):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free ports")
-
-
-def events(report, name):
-    return [r for r in read_records(report) if r.get("event") == name]
 
 
 def test_kvsan_loads_in_each_ray_worker_as_a_worker(ray_run):
@@ -84,12 +62,7 @@ def test_kvsan_loads_in_each_ray_worker_as_a_worker(ray_run):
 
 def test_a_scribble_on_ray_rank_1_is_reported_by_rank_1_only(ray_run):
     report, _, _ = ray_run
-    (fault,) = events(report, "kvsan.fault_applied")
-    assert (fault["role"], fault["rank"]) == ("worker", 1)
-    found = violations(report)
-    assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
-            for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
-                                 "worker", 0, 1)], found
+    only_the_scribble(report, "worker", engine=0, rank=1)
 
 
 def test_each_ray_worker_serves_its_metrics_on_its_rank_s_port(ray_run):

@@ -43,16 +43,17 @@ def events(report, name):
     return [r for r in read_records(report) if r.get("event") == name]
 
 
-def only_the_scribble_on_rank_1(report):
+def only_the_scribble(report, role="worker", engine=0, rank=1):
     """The report's violations: exactly one ``checksum_mismatch`` on the
-    block rank 1's ``scribble_sealed`` wrote, naming the request that holds
-    it and rank 1 of engine 0."""
+    block that ``scribble_sealed`` wrote in the one process it fired in (of
+    ``role``, ``engine`` and ``rank``), naming the request that holds it and
+    that process's role, engine and rank."""
     (fault,) = events(report, "kvsan.fault_applied")
-    assert (fault["role"], fault["rank"]) == ("worker", 1)
+    assert (fault["role"], fault["engine"], fault["rank"]) == (role, engine, rank)
     found = violations(report)
     assert [(v["kind"], v["blocks"], v["owners"], v["role"], v["engine"], v["rank"])
             for v in found] == [("checksum_mismatch", [fault["block"]], [fault["request"]],
-                                 "worker", 0, 1)], found
+                                 role, engine, rank)], found
     return found
 
 
@@ -76,7 +77,7 @@ def test_a_scribble_on_rank_1_is_reported_by_rank_1_only(tp_run):
     injected scribble on rank 1: one ``checksum_mismatch`` naming the block,
     the request that holds it and rank 1."""
     report, _ = tp_run
-    found = only_the_scribble_on_rank_1(report)
+    found = only_the_scribble(report)
     assert found[0]["details"][0]["layers"] == [0]  # the layer the scribble went into
     chk = subprocess.run([sys.executable, "-m", "kvsan.cli", "check", report],
                          capture_output=True, text=True)

@@ -393,36 +393,25 @@ def _confirm_engine(rt, vllm_config) -> None:
     _rt.set_identity(rt, engine_index(vllm_config.parallel_config), rt.rank)
 
 
-def _owner_scoped(spec: tuple[str, str | None], tag: str):
+def _owner_scoped(spec: tuple[str, str | None] | None, tag: str):
     """The fallback of an owner frame whose method is not a plain function:
     push the request named by the method's first argument (read as ``spec``
-    says) while it runs."""
-    name, attr = spec
+    says) while it runs.  ``spec`` None: the method's pool calls are made
+    for no request, whatever owner frame is above it (the pool's hooks then
+    name a ``pin:``/``anon:`` owner by call site, as for a call with no
+    request on the stack)."""
+    name, attr = spec or (None, None)
 
     def wrapper(wrapped, instance, args, kwargs):
         rt = _rt._runtime
         if rt is None:
             return wrapped(*args, **kwargs)
-        value = args[0] if args else kwargs.get(name)
-        rt.owner_ctx.append((getattr(value, attr) if attr else value, tag))
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            rt.owner_ctx.pop()
-
-    return wrapper
-
-
-def _unowned(tag: str):
-    """A method whose pool calls are made for no request, whatever owner
-    frame is above it: an entry with no owner on the owner stack while it
-    runs (the pool's hooks then name a ``pin:``/``anon:`` owner by call
-    site, as for a call with no request on the stack)."""
-    def wrapper(wrapped, instance, args, kwargs):
-        rt = _rt._runtime
-        if rt is None:
-            return wrapped(*args, **kwargs)
-        rt.owner_ctx.append((None, tag))
+        if spec is None:
+            owner = None
+        else:
+            value = args[0] if args else kwargs.get(name)
+            owner = getattr(value, attr) if attr else value
+        rt.owner_ctx.append((owner, tag))
         try:
             return wrapped(*args, **kwargs)
         finally:
@@ -1102,7 +1091,8 @@ def hisparse_targets() -> list[Target]:
     request on the stack).
     Installed when vLLM imports the module (most deployments never do)."""
     return [
-        Target(_HISPARSE, "HiSparseCoordinator._plan_page_transfer", _unowned("spill")),
+        Target(_HISPARSE, "HiSparseCoordinator._plan_page_transfer",
+               _owner_scoped(None, "spill")),
         Target(_HISPARSE, "HiSparseCoordinator._unpin_page", _owner_scoped(_RID, "free"),
                owner=_RID),
         Target(_HISPARSE, "HiSparseCoordinator.free", _owner_scoped(_RID, "free"), owner=_RID),
