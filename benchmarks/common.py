@@ -85,7 +85,7 @@ def machine() -> str:
 
 def native_hooks(*classes):
     """``(attribute, hook)`` for each of kvsan's native hooks
-    (``kvsan._hookfast``) installed on ``classes``: each counts the calls it
+    (``kvsan._native._hookfast``) installed on ``classes``: each counts the calls it
     handled and kvsan's time in them (``calls``, ``seconds``)."""
     from kvsan.hooks import native_hook
 

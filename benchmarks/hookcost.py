@@ -14,7 +14,7 @@ kvsan's hooks directory, so call-site lookups skip its frames as they skip
 the real ones, and the owner-frame search looks a few frames further up for
 the extra frame it adds.  The timers add about 1.5 µs per call; the per-call
 figures and the default lane's step time include them.  The native hooks
-(``kvsan._hookfast``) time themselves: their rows are the calls they
+(``kvsan._native._hookfast``) time themselves: their rows are the calls they
 handled and kvsan's time in them; the identity audit's observer on the cache
 hook (the calls the native route hands to Python) is timed on its own.
 
@@ -105,7 +105,7 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int) -> 
         from vllm.v1.core.sched.scheduler import Scheduler
 
         out = {k: v for k, v in acc.items()}
-        # kvsan._hookfast's own counts
+        # kvsan._native._hookfast's own counts
         for attr, hook in native_hooks(BlockPool, KVCacheCoordinator, Scheduler):
             out[f"{attr} (native hook)"] = [hook.calls, int(hook.seconds * 1e9)]
             if hook.observed:

@@ -280,12 +280,12 @@ def run_lanes(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
 
 def speedups_built() -> bool:
     """Whether kvsan's C speed-ups are built whole for this interpreter, so
-    the default lane must run with them: ``kvsan._frames`` (CPython 3.10 to
+    the default lane must run with them: ``kvsan._native._frames`` (CPython 3.10 to
     3.13), on which the native hooks build (docs/design.md, Native
     modules).  Where it is missing the default lane runs the Python paths
     with whichever of the other modules built."""
     try:
-        from kvsan import _frames
+        from kvsan._native import _frames
     except ImportError:
         return False
     return bool(getattr(_frames, "AVAILABLE", 0))

@@ -13,7 +13,7 @@ most of kvsan's cost between two forward passes.  The timers are Python
 wrappers (their own cost is in the rows and in the default lane's step);
 the rows are inclusive (``_begin`` holds ``DeviceChecker.verify_step``,
 which holds ``DeviceChecker.checksums``), so they do not add up.  The
-native STEP and GUARD hooks (``kvsan._hookfast``) time themselves: their
+native STEP and GUARD hooks (``kvsan._native._hookfast``) time themselves: their
 rows are the calls they handled and kvsan's time in them (the calls they
 hand to Python are in the Python rows).
 

@@ -82,7 +82,7 @@ def _run(code: str) -> None:
 def _loads() -> None:
     """The built modules import and are the ones kvsan uses."""
     _run("import kvsan.hooks as h\n"
-         + "".join(f"import kvsan.{m}\n" for m in MODULES)
+         + "".join(f"import kvsan._native.{m}\n" for m in MODULES)
          + "assert h.use_native(True), 'the native paths did not load'\n")
 
 

@@ -22,7 +22,7 @@ stamp=.venv/.kvsan-setup
 # re-install when the package definition or the C speed-ups change (the
 # editable install builds the C modules in place: see setup.py; then
 # scripts/build_native.py builds them again, profile-guided)
-want=$(cat pyproject.toml setup.py scripts/build_native.py src/kvsan/*.c src/kvsan/*.h \
+want=$(cat pyproject.toml setup.py scripts/build_native.py src/kvsan/_native/*.c src/kvsan/_native/*.h \
   | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0

@@ -46,7 +46,7 @@ find_python() {
 }
 
 stamp=$VENV/.kvsan-setup
-want=$(cat "$0" pyproject.toml setup.py scripts/build_native.py src/kvsan/*.c src/kvsan/*.h \
+want=$(cat "$0" pyproject.toml setup.py scripts/build_native.py src/kvsan/_native/*.c src/kvsan/_native/*.h \
   | { cat; echo "$VLLM_SPEC"; } | sha256sum | cut -c1-16)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
@@ -64,7 +64,7 @@ PY=$(find_python)
 # _frames did not build (no compiler, another Python), build_native.py's
 # check that every native path loads cannot pass, and the editable
 # install's plain build of the other modules stays.
-if "$VENV/bin/python" -c 'import sys, kvsan._frames as f; sys.exit(not f.AVAILABLE)' 2>/dev/null; then
+if "$VENV/bin/python" -c 'import sys, kvsan._native._frames as f; sys.exit(not f.AVAILABLE)' 2>/dev/null; then
   "$VENV/bin/python" scripts/build_native.py
 fi
 echo "$want" > "$stamp"

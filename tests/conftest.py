@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 #: kvsan's C speed-ups are written for (and built whole on) these CPythons:
-#: ``kvsan._frames`` reads 3.11's frame records there, the public frame API
+#: ``kvsan._native._frames`` reads 3.11's frame records there, the public frame API
 #: elsewhere (docs/design.md, Native modules)
 SPEEDUPS = (sys.implementation.name == "cpython" and (3, 10) <= sys.version_info[:2] <= (3, 13))
 SPEEDUPS_WHY = "kvsan's C speed-ups are built for CPython 3.10 to 3.13"

@@ -234,7 +234,7 @@ def _held_maps():
 
 @pytest.mark.parametrize("make", _held_maps())
 def test_held_map_keeps_one_entry_per_owner_and_forgets_it_at_zero(make):
-    """``shadow.held`` (kvsan._shadowfast's C map, or its Python twin):
+    """``shadow.held`` (kvsan._native._shadowfast's C map, or its Python twin):
     an owner's first references stamp it (time, step), later ones add to
     it with the stamp unchanged, an equal but distinct str is the same
     owner, the last release forgets it; removed entries' slots are

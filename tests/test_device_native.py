@@ -1,5 +1,5 @@
 """The device checker's set-ups give the same results:
-``kvsan._devicefast`` (C over host tables), host tables without it (numpy
+``kvsan._native._devicefast`` (C over host tables), host tables without it (numpy
 and memoryview table writes; the guard and checksums as torch ops), the
 guard deferred to the step's end (what a slot mapping in CUDA memory gets),
 tables on the device (``host_tables=False``: every operation a torch op),
@@ -371,7 +371,7 @@ def test_vector_checksums_agree_with_the_scalar_loop():
     give the scalar loop's sums: rows of 8-byte words of any length (a
     remainder after the last full vector, rows over several weight periods,
     a row shorter than one vector) and extreme values (the products wrap)."""
-    from kvsan import _devicefast
+    from kvsan._native import _devicefast
     from kvsan.checks import device as dev
 
     rng = np.random.default_rng(3)

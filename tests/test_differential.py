@@ -5,15 +5,15 @@ Three layers, each fed the SAME history twice, once per path:
 
 * the allocator core, with no vLLM: an :class:`AllocatorChecker` alone
   (the reference) against one whose clean events go through
-  ``kvsan._shadowfast.Table`` (the native core), both driven through the
+  ``kvsan._native._shadowfast.Table`` (the native core), both driven through the
   vLLM adapter's own hook functions (``kvsan.hooks.vllm.allocator``, which
   imports no vLLM) over a small fake pool of slotted blocks shaped like
-  vLLM's ``KVCacheBlock`` (the fields ``kvsan/_slots.h`` reads by name).
+  vLLM's ``KVCacheBlock`` (the fields ``kvsan/_native/_slots.h`` reads by name).
   After every event: the violations it raised, the whole shadow table,
   the checker's counters and bookkeeping, and the step journal;
 * the same on vLLM's real ``KVCacheManager`` / ``BlockPool`` (native on:
-  ``kvsan._hookfast``'s C hooks too, where built), with injected faults;
-* the identity audit's token chain: ``kvsan._tokenlinks`` against the
+  ``kvsan._native._hookfast``'s C hooks too, where built), with injected faults;
+* the identity audit's token chain: ``kvsan._native._tokenlinks`` against the
   Python chain of ``kvsan.checks.identity``.
 
 Not compared: the wall-clock half of an owner's "held since" (each path
@@ -47,13 +47,13 @@ DIFF = settings(derandomize=True, database=None, deadline=None, print_blob=True,
 
 
 def _shadowfast():
-    """``kvsan._shadowfast`` where it is built for this interpreter and in
+    """``kvsan._native._shadowfast`` where it is built for this interpreter and in
     use, else skip (the reference path alone has nothing to agree with)."""
     from kvsan import hooks
 
     hooks.use_native(True)  # (as the session fixture: the C paths in use where built)
     if hooks.SHADOWFAST is None:
-        pytest.skip(f"kvsan._shadowfast is not built (or not AVAILABLE) for CPython "
+        pytest.skip(f"kvsan._native._shadowfast is not built (or not AVAILABLE) for CPython "
                     f"{sys.version_info.major}.{sys.version_info.minor}: only the "
                     "reference path runs here")
     return hooks.SHADOWFAST
@@ -63,10 +63,10 @@ def _tokenlinks():
     from kvsan.checks import identity
 
     if not identity.use_native(True):
-        pytest.skip(f"kvsan._tokenlinks is not built (or not AVAILABLE) for CPython "
+        pytest.skip(f"kvsan._native._tokenlinks is not built (or not AVAILABLE) for CPython "
                     f"{sys.version_info.major}.{sys.version_info.minor}: only the "
                     "reference chain runs here")
-    import kvsan._tokenlinks as mod
+    import kvsan._native._tokenlinks as mod
 
     return mod
 
@@ -687,7 +687,7 @@ def test_vllm_paths_agree_on_random_histories(request):
             slow = _drive_vllm(rt, ops, "d")
         finally:
             hooks.use_native(True)
-        assert fast["fast"] == "kvsan._shadowfast" and slow["fast"] is None
+        assert fast["fast"] == "kvsan._native._shadowfast" and slow["fast"] is None
         fast.pop("fast"), slow.pop("fast")
         for key in fast:
             assert fast[key] == slow[key], (key, ops)

@@ -1,4 +1,4 @@
-"""kvsan's native BlockPool hooks (``kvsan._hookfast``) on vLLM's real pool:
+"""kvsan's native BlockPool hooks (``kvsan._native._hookfast``) on vLLM's real pool:
 in use where built, called the ways Python can call a method, reporting the
 same faults as the Python route, and counting (not raising) kvsan's own
 failures.  tests/test_native.py compares the whole shadow table and the
@@ -30,7 +30,8 @@ def _pool_with_blocks(rid="A", n=2):
 def test_native_hooks_are_installed(rt):
     from vllm.v1.core.block_pool import BlockPool
 
-    from kvsan import _hookfast, hooks
+    from kvsan._native import _hookfast
+    from kvsan import hooks
 
     assert hooks.HOOKFAST is _hookfast and _hookfast.ABI == hooks.HOOKFAST_ABI
     # the call context and the events go to the C functions of _frames and

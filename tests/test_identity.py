@@ -388,7 +388,7 @@ def test_text_only_chains_share_their_empty_digests():
 
 
 def test_native_token_links_equal_the_python_chain():
-    """``kvsan._tokenlinks`` gives exactly ``hash((parent, tuple(block)))``,
+    """``kvsan._native._tokenlinks`` gives exactly ``hash((parent, tuple(block)))``,
     the Python chain, on edge values (ints past the hash modulus, negative
     ones, -1, a short last block, an empty range)."""
     import random
@@ -397,7 +397,7 @@ def test_native_token_links_equal_the_python_chain():
 
     if not SPEEDUPS:
         pytest.skip(SPEEDUPS_WHY)
-    from kvsan._tokenlinks import links
+    from kvsan._native._tokenlinks import links
 
     rng = random.Random(7)
     edge = [0, -1, -2, 1, 2**61 - 1, 2**61, -2**61, 2**63, -2**63 - 5, 2**70]
@@ -435,7 +435,7 @@ def test_native_token_links_equal_the_python_chain():
         shared = identity.RequestIdentity.TEXT_ONLY
         assert all(c[1] is shared and c[2] is shared for c in chains)
         assert len(shared) >= steps[-1] and not any(shared)
-    from kvsan._tokenlinks import extend_text
+    from kvsan._native._tokenlinks import extend_text
 
     with pytest.raises(TypeError, match="extend_text"):
         extend_text((), [], [], [], 16, 1)
@@ -450,7 +450,7 @@ def test_native_token_links_equal_the_python_chain():
     with pytest.raises(ArithmeticError):
         extend_text(tok, mm, emb, list(range(32)) + [Unhashable()], 16, 3)
     assert (tok, mm, emb) == ([5], [b""], [b""])
-    from kvsan._tokenlinks import Links  # a chain's links as C keeps them: the same
+    from kvsan._native._tokenlinks import Links  # a chain's links as C keeps them: the same
 
     tok, mm, emb = Links([5]), [b""], [b""]
     with pytest.raises(ArithmeticError):
@@ -459,7 +459,7 @@ def test_native_token_links_equal_the_python_chain():
 
 
 def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
-    """With ``kvsan._tokenlinks`` in use a chain keeps its token links in a
+    """With ``kvsan._native._tokenlinks`` in use a chain keeps its token links in a
     ``Links`` (64-bit ints in one array: no int object per block, nothing
     for the garbage collector to track), which behaves as the list the
     Python path keeps: a Links chain and a list chain of the same tokens
@@ -476,7 +476,7 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
         pytest.skip("a check of the C path")
     if not SPEEDUPS or hooks.SHADOWFAST is None:
         pytest.skip(SPEEDUPS_WHY)
-    from kvsan._tokenlinks import Links
+    from kvsan._native._tokenlinks import Links
 
     toks = list(range(10_000, 10_000 + 6 * BLOCK))
     ident = identity.RequestIdentity((b"", b""))
@@ -537,14 +537,14 @@ def test_token_links_are_one_untracked_array_that_compares_with_lists(native):
 
 
 def test_known_chain_matches_the_python_chain():
-    """``kvsan._tokenlinks.known_chain`` (the identity hooks' lookup of a
+    """``kvsan._native._tokenlinks.known_chain`` (the identity hooks' lookup of a
     known text-only request's chain) gives the chain the Python ``_chain``
     builds, and declines (None) what it must leave to Python: an unknown
     request, a new Request object under a known id, multimodal input."""
 
     if not SPEEDUPS:
         pytest.skip(SPEEDUPS_WHY)
-    from kvsan._tokenlinks import known_chain
+    from kvsan._native._tokenlinks import known_chain
     from kvsan.checks import identity
     from kvsan.hooks.vllm import identity as vllm_identity
 
@@ -585,7 +585,7 @@ def test_chains_started_in_c_equal_pythons_and_go_with_their_request(native):
         pytest.skip(SPEEDUPS_WHY)
     if not native:
         pytest.skip("the C paths' chains (with KVSAN_NATIVE=0 the Python reaper is in use)")
-    from kvsan._tokenlinks import known_chain
+    from kvsan._native._tokenlinks import known_chain
     from kvsan.checks.identity import RequestIdentity
     from kvsan.hooks.vllm import identity as vllm_identity
 
@@ -661,7 +661,7 @@ def test_records_beyond_their_lists_are_made_in_python_and_grown(native):
 
 
 def test_hit_checks_read_chains_the_same_through_their_slots_or_getattr(native):
-    """``identity_hits`` reads a chain's slots in line (kvsan/_slots.h) for
+    """``identity_hits`` reads a chain's slots in line (kvsan/_native/_slots.h) for
     the type it resolved them for, and through getattr for anything else.
     The answers are the same for a RequestIdentity, for one whose class was
     modified since (its offsets resolved again), and for a look-alike object

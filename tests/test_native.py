@@ -1,4 +1,4 @@
-"""kvsan's C speed-ups (``kvsan._frames``, ``kvsan._shadowfast``) against the
+"""kvsan's C speed-ups (``kvsan._native._frames``, ``kvsan._native._shadowfast``) against the
 pure-Python paths they shortcut: the same seeded traffic, with faults mixed
 in, on vLLM's real KVCacheManager, run once with each; the violations, the
 whole shadow table and the worker journal must be identical."""
@@ -28,7 +28,8 @@ def native_switch(rt):
 def test_speedups_are_built_and_in_use(rt):
     """The package build compiles both modules here (CI would otherwise
     measure and test only the Python paths without noticing)."""
-    from kvsan import _frames, _shadowfast, hooks
+    from kvsan._native import _frames, _shadowfast
+    from kvsan import hooks
 
     assert _frames.AVAILABLE and _frames.ABI == hooks.FRAMES_ABI == 2
     assert _shadowfast.ABI == hooks.SHADOWFAST_ABI == 12
@@ -195,7 +196,7 @@ def test_direct_c_calls_and_python_methods_agree(rt, native_switch, faults):
     """_hookfast calls _frames' and _shadowfast's C functions directly (no
     result objects; the journal filed in place); through their Python
     methods it must come to the same table, journal and violations."""
-    from kvsan import _hookfast
+    from kvsan._native import _hookfast
 
     assert native_switch(True)
     try:
@@ -305,7 +306,8 @@ def test_block_fields_read_as_slots(rt):
     anything more is read through the property, and gives its own answer."""
     from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
-    from kvsan import _shadowfast, hooks
+    from kvsan._native import _shadowfast
+    from kvsan import hooks
 
     fields = ["block_id", "ref_cnt", "prev_free_block", "is_null", "pool", "block_hash"]
     assert hooks.property_slot(KVCacheBlock, "block_hash") is KVCacheBlock._block_hash

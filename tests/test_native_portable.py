@@ -3,14 +3,14 @@ cases, without vLLM: runs on every CPython they are built for (3.10 to
 3.13; ``make test`` runs it on 3.11, the other lanes where set up).
 
 * the four modules import, available, of the ABI the Python side calls;
-* ``kvsan._frames.context`` / ``site`` (the call-context reader) give what
+* ``kvsan._native._frames.context`` / ``site`` (the call-context reader) give what
   :func:`kvsan.hooks.call_context` / ``call_site`` give on the Python route
   (``sys._getframe``, ``f_locals``), for owner locals that are plain,
   captured by a closure, read through an attribute, unbound or not a str;
-* a ``kvsan._shadowfast.Table`` over a hand-made slotted block leaves the
+* a ``kvsan._native._shadowfast.Table`` over a hand-made slotted block leaves the
   shadow table, counters and violations as the Python
   :class:`kvsan.checks.allocator.AllocatorChecker` alone does;
-* ``kvsan._tokenlinks.links`` gives :meth:`RequestIdentity.extend`'s
+* ``kvsan._native._tokenlinks.links`` gives :meth:`RequestIdentity.extend`'s
   Python links (``hash((parent, tuple(tokens)))``), small and big ints;
 * :func:`kvsan.hooks.property_slot` decides in Python which property is a
   plain slot read, and ``_shadowfast`` reads only those as slots.
@@ -37,7 +37,7 @@ def native():
 
 
 def test_modules_built_available_and_of_the_called_abi(native):
-    from kvsan import _frames, _hookfast, _shadowfast, _tokenlinks
+    from kvsan._native import _frames, _hookfast, _shadowfast, _tokenlinks
     from kvsan.checks import identity
 
     assert _frames.AVAILABLE and _frames.ABI == native.FRAMES_ABI
@@ -286,7 +286,7 @@ def test_shadow_table_as_the_python_checker(native):
 
 
 def test_property_read_as_a_slot_only_when_python_says_so(native):
-    from kvsan import _shadowfast
+    from kvsan._native import _shadowfast
 
     class Computed(Block):
         __slots__ = ()
@@ -321,7 +321,7 @@ def test_property_read_as_a_slot_only_when_python_says_so(native):
 ])
 @pytest.mark.parametrize("parent", [0, -1, 1, 2**61 - 2, -(2**63), 2**63 - 1])
 def test_token_links_as_python(native, tokens, parent):
-    from kvsan import _tokenlinks
+    from kvsan._native import _tokenlinks
 
     bs = 3
     upto = len(tokens) // bs

@@ -1,5 +1,5 @@
 """The worker side's native hooks on the real engine (in-process, V1 runner,
-default settings: sampled checksums, no poison).  ``kvsan._hookfast``'s
+default settings: sampled checksums, no poison).  ``kvsan._native._hookfast``'s
 STEP hook begins quiet steps (most decode steps) without the Python hook,
 and its GUARD hook runs the write guard's common step; these tests show
 that both are in use, that they report a fault injected in a quiet step
@@ -41,7 +41,7 @@ def engine(kvsan_rt):
 def eng(engine, rt):
     from kvsan import hooks
 
-    assert hooks.HOOKFAST is not None, "kvsan._hookfast must be in use here"
+    assert hooks.HOOKFAST is not None, "kvsan._native._hookfast must be in use here"
     assert engine.reset_prefix_cache()
     rt.clear()
     return engine

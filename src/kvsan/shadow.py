@@ -35,7 +35,7 @@ def _zero() -> int:
 
 #: time.monotonic's clock read at its last tick (a few ms; never later than
 #: time.monotonic()): "held since" is reported in seconds, and
-#: kvsan._shadowfast's map reads the same clock (Linux's clock id 6;
+#: kvsan._native._shadowfast's map reads the same clock (Linux's clock id 6;
 #: Python's time module does not name it)
 _COARSE = getattr(_time, "CLOCK_MONOTONIC_COARSE",
                   6 if _sys.platform.startswith("linux") else None)
@@ -61,7 +61,7 @@ class PyHold:
 
 class PyHeldMap:
     """owner -> what it holds: ``take`` / ``drop`` change it, reads give
-    :class:`Hold` records (kvsan._shadowfast's map, in Python: used where
+    :class:`Hold` records (kvsan._native._shadowfast's map, in Python: used where
     that module is not built; tests hold the two to one behaviour)."""
 
     __slots__ = ("_d",)
@@ -116,8 +116,8 @@ class PyHeldMap:
         return f"HeldMap({self.items()!r})"
 
 
-try:  # the map kvsan._shadowfast keeps (entries inline) and the record it reads out
-    from ._shadowfast import HeldMap, Hold
+try:  # the map kvsan._native._shadowfast keeps (entries inline) and the record it reads out
+    from ._native._shadowfast import HeldMap, Hold
 except ImportError:  # not built (or built from another version): the same in Python
     HeldMap, Hold = PyHeldMap, PyHold
 
@@ -300,7 +300,7 @@ class ShadowTable:
 
     def _unhold(self, owner: str, n: int) -> None:
         """``owner`` holds ``n`` references fewer; one that holds nothing is
-        forgotten.  ``kvsan._shadowfast`` calls it by name for an owner that
+        forgotten.  ``kvsan._native._shadowfast`` calls it by name for an owner that
         drops what it does not hold (KeyError here)."""
         if not self.held.drop(owner, n):
             self.ended.pop(owner, None)

@@ -409,7 +409,7 @@ class AllocatorChecker:
         """File ``rid``'s end in :attr:`recent_ends`.  The ends of one step
         for one reason share their ``(reason, step)`` tuple: one per end was
         one more object per request for the garbage collector, and every
-        one stayed until RECENT_ENDS were filed (kvsan._hookfast's clean
+        one stayed until RECENT_ENDS were filed (kvsan._native._hookfast's clean
         end shares its own the same way)."""
         ends = self.recent_ends
         ends.pop(rid, None)

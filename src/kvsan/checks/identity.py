@@ -53,25 +53,25 @@ def text(value) -> bytes:
     return b"\x00" if value is None else repr(value).encode()
 
 
-#: ``kvsan._tokenlinks.links`` (the token chain in C, same values) when in
+#: ``kvsan._native._tokenlinks.links`` (the token chain in C, same values) when in
 #: use, else None
 _links = None
-#: ``kvsan._tokenlinks.extend_text`` (a text-only chain extended in one
+#: ``kvsan._native._tokenlinks.extend_text`` (a text-only chain extended in one
 #: call) when in use, else None
 _extend_text = None
-#: ``kvsan._tokenlinks.known_chain`` (a known text-only request's chain
+#: ``kvsan._native._tokenlinks.known_chain`` (a known text-only request's chain
 #: looked up and extended in one call) when in use, else None
 known_chain = None
-#: ``kvsan._tokenlinks.reap`` (a chain's callback when its request goes, as
+#: ``kvsan._native._tokenlinks.reap`` (a chain's callback when its request goes, as
 #: ``kvsan.hooks.vllm.identity._reap``) when in use, else None
 reap = None
-#: what a new chain keeps its token links in: ``kvsan._tokenlinks.Links``
+#: what a new chain keeps its token links in: ``kvsan._native._tokenlinks.Links``
 #: (64-bit ints in one array) when in use, else ``list``
 _new_links = list
 
 
 def use_native(on: bool = True) -> bool:
-    """Compute token links with ``kvsan._tokenlinks`` where it was built
+    """Compute token links with ``kvsan._native._tokenlinks`` where it was built
     (the same values as the Python loop).  Returns whether it is in use."""
     global _links, _extend_text, known_chain, reap, _new_links
     mod = native.load("_tokenlinks", 9) if on else None
@@ -114,7 +114,7 @@ class RequestIdentity(weakref.ref):
     of the request (LoRA, cache_salt), one shared tuple per
     distinct combination, so most comparisons are an identity check.
 
-    ``tok``: the token links, one per block, in a ``kvsan._tokenlinks.Links``
+    ``tok``: the token links, one per block, in a ``kvsan._native._tokenlinks.Links``
     (an array of 64-bit ints: no int object per block, and nothing for the
     garbage collector to track) where that module is in use, else a list.
 
@@ -142,7 +142,7 @@ class RequestIdentity(weakref.ref):
 
     def __init__(self, static: tuple[bytes, bytes], owner: object = UNOWNED,
                  callback: Callable | None = None, rid: str | None = None):
-        # kvsan._tokenlinks (new_identity) makes these without calling
+        # kvsan._native._tokenlinks (new_identity) makes these without calling
         # __init__, setting the same five slots: keep the two in step
         super().__init__(owner, callback)
         self.static = static
@@ -242,7 +242,7 @@ class IdentityAudit:
         #: record has key None.  A few references per block, made once for
         #: the pool: a tuple and a dict entry per cached block cost about
         #: 150 bytes (``python -m benchmarks.scale``).  A tuple of lists so
-        #: the C paths (``kvsan._shadowfast``) read it without attribute
+        #: the C paths (``kvsan._native._shadowfast``) read it without attribute
         #: lookups; a block beyond the lists grows them.
         self.records: tuple[list, list, list, list, list] = tuple(
             [None] * num_blocks if f != "index" else [0] * num_blocks for f in RECORD_FIELDS)

@@ -52,7 +52,7 @@ class Target:
     #: on the engine's hot path: the stack is read only when an allocator
     #: event happens, not on every call of the method.
     owner: tuple[str, str | None] | None = None
-    #: ``(kind, post)``: where ``kvsan._hookfast`` is in use, the method is
+    #: ``(kind, post)``: where ``kvsan._native._hookfast`` is in use, the method is
     #: replaced by its native ``Hook`` of that kind (``"ALLOCATE"``,
     #: ``"TOUCH"``, ``"RELEASE"``, ``"CACHE"``, ``"HITS"`` for the
     #: identity audit's hit check, ``"END"`` and ``"SKIP"`` on the scheduler,
@@ -101,7 +101,7 @@ def is_patched(fn) -> bool:
 
 
 def native_hook(fn):
-    """``fn`` if it is a ``kvsan._hookfast.Hook``, else None."""
+    """``fn`` if it is a ``kvsan._native._hookfast.Hook``, else None."""
     return fn if type(fn) is _HOOK_TYPE else None
 
 
@@ -258,30 +258,30 @@ def site_of(frame) -> str:
     return site_text(code, frame.f_lasti)
 
 
-#: the native call-context reader (``kvsan._frames``) when in use, else None
+#: the native call-context reader (``kvsan._native._frames``) when in use, else None
 NATIVE = None
-#: the native clean-event path over the shadow table (``kvsan._shadowfast``)
+#: the native clean-event path over the shadow table (``kvsan._native._shadowfast``)
 #: when in use, else None (checkers of pools made while it is set use it)
 SHADOWFAST = None
-#: the native hooks (``kvsan._hookfast``) when in use, else None (methods
+#: the native hooks (``kvsan._native._hookfast``) when in use, else None (methods
 #: patched while it is set get them; see :attr:`Target.fast`)
 HOOKFAST = None
-#: the version of ``kvsan._hookfast``'s interface this code calls (its ``ABI``)
+#: the version of ``kvsan._native._hookfast``'s interface this code calls (its ``ABI``)
 HOOKFAST_ABI = 12
-#: the versions of ``kvsan._frames``' and ``kvsan._shadowfast``'s interfaces
+#: the versions of ``kvsan._native._frames``' and ``kvsan._native._shadowfast``'s interfaces
 FRAMES_ABI = 2
 SHADOWFAST_ABI = 12
-#: ``kvsan._hookfast.Hook`` once the module was loaded (hooks made while it
+#: ``kvsan._native._hookfast.Hook`` once the module was loaded (hooks made while it
 #: was in use stay installed when it is switched off)
 _HOOK_TYPE = None
 
 
 def use_native(on: bool = True) -> bool:
     """Use kvsan's C speed-ups (built with the package, CPython 3.10 to 3.13):
-    ``kvsan._frames`` to read call contexts, ``kvsan._shadowfast`` for
-    clean allocator events, ``kvsan._hookfast`` for the hottest BlockPool
-    hooks (methods patched from now on), ``kvsan._tokenlinks`` for the identity
-    audit's token chain and ``kvsan._devicefast`` for the device checks
+    ``kvsan._native._frames`` to read call contexts, ``kvsan._native._shadowfast`` for
+    clean allocator events, ``kvsan._native._hookfast`` for the hottest BlockPool
+    hooks (methods patched from now on), ``kvsan._native._tokenlinks`` for the identity
+    audit's token chain and ``kvsan._native._devicefast`` for the device checks
     on host memory.  ``on`` False (``KVSAN_NATIVE=0``), or where they are
     unavailable, the pure-Python (numpy / torch) paths run; both give the
     same results.  Returns whether all are in use.
@@ -353,7 +353,7 @@ def _slot_getter(prop) -> str | None:
 def property_slot(cls, name: str):
     """The member descriptor (a ``__slots__`` entry) that property ``name`` of
     ``cls`` only returns, else None; where there is one and
-    ``kvsan._shadowfast`` is in use, it reads the property as that slot.
+    ``kvsan._native._shadowfast`` is in use, it reads the property as that slot.
 
     vLLM's ``KVCacheBlock.block_hash`` is ``@property def block_hash(self):
     return self._block_hash`` over a slot: read through the property, every
@@ -388,7 +388,7 @@ def property_slot(cls, name: str):
 
 
 def flush_overhead() -> None:
-    """Add the time kept in ``kvsan._hookfast`` to its runtime's
+    """Add the time kept in ``kvsan._native._hookfast`` to its runtime's
     ``overhead_s``: call before reading it."""
     if HOOKFAST is not None:
         HOOKFAST.flush_overhead()

@@ -44,7 +44,7 @@ One :class:`DeviceChecker` per worker, made of one part per invariant:
   reader sees non-finite values instead of passing by luck.
 
 The parts are mixins of the one class, sharing its attributes: the native
-modules (``kvsan._hookfast``, ``kvsan._devicefast``) and the engine adapter
+modules (``kvsan._native._hookfast``, ``kvsan._native._devicefast``) and the engine adapter
 read and set them, and call its methods, by name on the checker itself.
 """
 
@@ -75,10 +75,10 @@ class DeviceChecker(WorkerView, Sealing, WriteGuard, Checksums, Sampling, InputR
                     RowChecks, Poison, Tables):
     """The device-side checks of one worker's KV cache (see the module)."""
 
-    #: what the native STEP and GUARD hooks (``kvsan._hookfast``) and the
-    #: guard's common step (``kvsan._devicefast.guard_step``) read or set
+    #: what the native STEP and GUARD hooks (``kvsan._native._hookfast``) and the
+    #: guard's common step (``kvsan._native._devicefast.guard_step``) read or set
     #: every step, kept at fixed offsets that C reads in line
-    #: (kvsan/_slots.h): between two forward passes each read through the
+    #: (kvsan/_native/_slots.h): between two forward passes each read through the
     #: instance dict cost about 0.4 µs (caches cold), and a step made about
     #: twenty.  Everything else stays in ``__dict__``.  (The parts declare
     #: no slots of their own: these are the checker's, whichever part

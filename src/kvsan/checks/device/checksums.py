@@ -3,7 +3,7 @@
 A block's checksum, per layer, is the weighted sum modulo 2^64 of its raw
 words with odd weights (:func:`weights`): a change to any single word
 changes it.  Every path gives the same values: C over host memory
-(``kvsan._devicefast``), torch (a matrix-vector product on CPU, a multiply
+(``kvsan._native._devicefast``), torch (a matrix-vector product on CPU, a multiply
 and sum elsewhere), and one Triton launch for every layer where the cache
 is in CUDA memory (:mod:`kvsan.checks.device_sums`: checked against the
 torch path on its first use, and declined for good if it differs).  On a
@@ -115,7 +115,7 @@ class Checksums:
         modulo 2^64, of the block's raw words (the widest of 8/4/2/1 bytes
         dividing its row) with odd :func:`weights`, so a change to any one
         word always changes it.  In C over host memory where
-        ``kvsan._devicefast`` is in use; else one batched gather per layer
+        ``kvsan._native._devicefast`` is in use; else one batched gather per layer
         and a matrix-vector product on CPU (20x faster than widening every
         element), a multiply and sum elsewhere (CUDA has no integer matrix
         product); in one kernel launch for every layer where the cache is in

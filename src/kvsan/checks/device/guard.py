@@ -197,7 +197,7 @@ class WriteGuard:
 
     def guarded(self, bad) -> None:
         """A guarded step's reports: its prefix hits not written in full
-        (``kvsan._devicefast.guard_step`` clears them when all are), then
+        (``kvsan._native._devicefast.guard_step`` clears them when all are), then
         its bad writes."""
         if self.step_hits:
             self.check_hits_written()

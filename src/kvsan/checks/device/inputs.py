@@ -83,7 +83,7 @@ class InputRecords:
 
     def _record_fed(self, slots: np.ndarray, total: int, fed=None) -> None:
         """The step's input tokens (``fed``, else the engine's array now)
-        into the slots it wrote (``kvsan._devicefast.guard_step`` does the
+        into the slots it wrote (``kvsan._native._devicefast.guard_step`` does the
         same for the common step)."""
         source, table = self._fed
         tokens = np.asarray(source[:total] if fed is None else fed[:total])
@@ -160,7 +160,7 @@ class InputRecords:
         as (writer int, slots read, slots written): ``reads``, the step's
         (sequence lengths, positions) where they were copied when the guard
         was deferred, else the engine's arrays now (what
-        ``kvsan._devicefast.guard_step`` checks for the common step)."""
+        ``kvsan._native._devicefast.guard_step`` checks for the common step)."""
         seq_lens, positions = self._reads if reads is None else reads
         n = min(len(counts), len(seq_lens))
         c = np.asarray(counts[:n], dtype=np.int64)

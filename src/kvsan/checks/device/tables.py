@@ -66,7 +66,7 @@ class Tables:
             if host else None
         #: the same tables as memoryviews, for item-by-item access to few blocks
         self._mv = tuple(memoryview(a) for a in self._np) if host else None
-        #: ``kvsan._devicefast`` for the guard and checksums on host tables
+        #: ``kvsan._native._devicefast`` for the guard and checksums on host tables
         self._fast = native.DEVICEFAST if host else None
 
     def _report(self, kind, message, blocks, owners, actor, details=None, step=None):

@@ -135,7 +135,7 @@ def _get_new_blocks(wrapped, instance, args, kwargs):
 
 def _after_allocate(rt, ck, blocks, site: str, owner: str | None) -> None:
     """What follows ``get_new_blocks``, given its call context (also called by
-    the native hook, :mod:`kvsan._hookfast`, when its clean path does not apply)."""
+    the native hook, :mod:`kvsan._native._hookfast`, when its clean path does not apply)."""
     if owner is None:
         owner = f"anon:{site}"
         ck.shadow.nonrequest.add(owner)
@@ -544,7 +544,7 @@ def _scheduler_checker(rt, sched):
 def pool_view(blocks):
     """The engine's per-block view as numpy arrays: reference counts, and
     free-queue membership (``prev_free_block`` set).  Read in one C pass
-    when ``kvsan._shadowfast`` is in use; else two list comprehensions over
+    when ``kvsan._native._shadowfast`` is in use; else two list comprehensions over
     vLLM's block objects, packed into C arrays without a per-element numpy
     conversion (measured faster than ``np.fromiter``/``np.array``)."""
     import numpy as np
@@ -599,7 +599,7 @@ def _schedule(wrapped, instance, args, kwargs):
 def _schedule_ends(rt, sched, ret, payload) -> None:
     """After vLLM's ``schedule()``: the step's payload for the workers and
     the step's own checks.  ``payload``: the step journal already taken by
-    the native SCHED hook (``kvsan._hookfast``'s sched_call), which calls
+    the native SCHED hook (``kvsan._native._hookfast``'s sched_call), which calls
     this for the steps with more to do than the payload; None: taken here.
     Then the native hook gets this scheduler (see
     :func:`_hand_schedule_to_native`)."""
@@ -678,7 +678,7 @@ def _update_from_output(wrapped, instance, args, kwargs):
 def _update_ends(rt, sched, ret) -> None:
     """After vLLM's ``update_from_output``: the delayed frees it completed,
     and the audit when the engine goes idle.  The native UPDATE hook
-    (``kvsan._hookfast``'s update_call) calls this only for the steps with
+    (``kvsan._native._hookfast``'s update_call) calls this only for the steps with
     one of them to do (or the idle flag to reset)."""
     ck = _scheduler_checker(rt, sched)
     if ck is not None and ck.pending_release:  # delayed frees the engine completed
@@ -789,7 +789,7 @@ def _status(request) -> str:
 
 def _free_request(wrapped, instance, args, kwargs):
     """After a finished request's release (the Python route; the native
-    hook, ``kvsan._hookfast``'s END kind, checks the clean case in C and
+    hook, ``kvsan._native._hookfast``'s END kind, checks the clean case in C and
     hands the rest to :func:`_request_ended`)."""
     ret = wrapped(*args, **kwargs)
     _request_ended(instance, args[0] if args else kwargs["request"])
@@ -900,7 +900,7 @@ def _may_delay_free(sched) -> bool:
 
 
 #: the scheduler's methods whose native hooks check its clean request ends
-#: and preemptions (kvsan._hookfast's END, PREEMPT and FINISH routes)
+#: and preemptions (kvsan._native._hookfast's END, PREEMPT and FINISH routes)
 _END_HOOKS = ("_free_request", "_preempt_request", "finish_requests")
 
 
@@ -908,7 +908,7 @@ def _hand_ends_to_native(rt, sched, ck) -> None:
     """From now on the native hooks on ``_free_request``,
     ``_preempt_request`` and ``finish_requests`` (where there are) check
     ``sched``'s clean request ends, preemptions and aborts themselves
-    (kvsan._hookfast's ended_call), with the same dicts as
+    (kvsan._native._hookfast's ended_call), with the same dicts as
     here; any other call still comes here."""
     todo = []
     for attr in _END_HOOKS:
@@ -938,7 +938,7 @@ def _preempt_request(wrapped, instance, args, kwargs):
 def _preempted(sched, request) -> None:
     """After a preemption's release path: the request must hold nothing
     until it resumes (it comes back, so this is not its end).  Where
-    ``kvsan._hookfast`` is built, its PREEMPT hook counts the clean ones
+    ``kvsan._native._hookfast`` is built, its PREEMPT hook counts the clean ones
     itself and hands this the rest."""
     rt = _rt._runtime
     ck = _scheduler_checker(rt, sched) if rt is not None else None
@@ -971,7 +971,7 @@ def _finished(sched, ret, request_ids=_NOT_GIVEN) -> None:
     hold nothing.  vLLM's own path checks them already (``_free_request``,
     which records their end); this catches an abort path that skipped it,
     and one that dropped a request it was asked to finish (see
-    :func:`_dropped`).  Where ``kvsan._hookfast`` is built, its FINISH hook
+    :func:`_dropped`).  Where ``kvsan._native._hookfast`` is built, its FINISH hook
     passes the calls whose requests all ended that way and hands this the
     rest."""
     rt = _rt._runtime
@@ -1023,7 +1023,7 @@ def _remove_blocks_in_range(wrapped, instance, args, kwargs):
     no reuse.  Found as vLLM finds them, backward from ``last`` to the first
     null block, so a call costs the blocks it removes.  Only calls made with
     positional arguments (as vLLM makes them) are read; the owner frame of
-    the same method attributes the free inside.  Where ``kvsan._hookfast``
+    the same method attributes the free inside.  Where ``kvsan._native._hookfast``
     is built, its SKIP hook does the same in C and hands this only the calls
     of other shapes."""
     rt = _rt._runtime

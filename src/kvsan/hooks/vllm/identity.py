@@ -40,7 +40,7 @@ _chains: dict = {}
 
 def _reap(chain: RequestIdentity) -> None:
     """A Request went: drop its chain (unless a newer Request under the same
-    id replaced the entry).  kvsan._tokenlinks's ``reap`` does the same
+    id replaced the entry).  kvsan._native._tokenlinks's ``reap`` does the same
     without a Python frame."""
     chains = _chains
     if chains is None:  # (interpreter shutdown: this module's globals are gone)
@@ -172,13 +172,13 @@ def adapter_files_digest(path) -> bytes | None:
         return None
 
 
-#: what ``kvsan._tokenlinks.known_chain`` needs to start the chain of a
+#: what ``kvsan._native._tokenlinks.known_chain`` needs to start the chain of a
 #: request without LoRA or cache_salt as :func:`_chain` would
 _MAKE: list = [None]
 
 
 def _reaper():
-    """The callback of a chain in :data:`_chains`: kvsan._tokenlinks's
+    """The callback of a chain in :data:`_chains`: kvsan._native._tokenlinks's
     ``reap`` bound to it where built (no Python frame per request end),
     else :func:`_reap`."""
     reap = _identity.reap
@@ -280,7 +280,7 @@ def _cached(rt, pool, request, blocks, lo: int, hi: int) -> None:
             if known is not None and hook is not None:
                 # from now on the native hook makes these records itself for
                 # a request whose chain is known or a text-only one it can
-                # start (kvsan._hookfast's identity_observe)
+                # start (kvsan._native._hookfast's identity_observe)
                 hook.identity = (weakref.ref(rt), weakref.ref(pool), audit.records, _chains,
                                  pool.hash_block_size, _WEIGHTS, known, fast.identity_record,
                                  _MAKE)
@@ -318,7 +318,7 @@ def _allocate_new_computed_blocks(wrapped, instance, args, kwargs):
 
 def _hand_hits_to_native(rt, pool, audit, requests) -> None:
     """From now on the native hook on ``allocate_new_computed_blocks`` checks
-    this pool's clean hits itself (kvsan._hookfast's hits_call), where it
+    this pool's clean hits itself (kvsan._native._hookfast's hits_call), where it
     can: the C paths are on and the scheduler's request table is known."""
     hook = _NATIVE_HITS[0]
     known, fast = _identity.known_chain, _hooks.SHADOWFAST
@@ -421,7 +421,7 @@ def _no_second_half(*_args) -> None:
 
 
 def _native_hook(where: tuple[str, str, str]):
-    """The ``kvsan._hookfast.Hook`` on the method ``where`` = (module, class,
+    """The ``kvsan._native._hookfast.Hook`` on the method ``where`` = (module, class,
     attribute) when there is one, else None."""
     import importlib
 

@@ -415,7 +415,7 @@ def _step_ends(rt, runner, dc: DeviceChecker, layers, ret) -> None:
 
 
 def _native_step_ends(rt, runner, dc: DeviceChecker, ret) -> None:
-    """The native STEP hook's second half (``kvsan._hookfast``), for a
+    """The native STEP hook's second half (``kvsan._native._hookfast``), for a
     quiet step it began whose checker has something left after vLLM's
     method (a seal, a deferred guard), or whose batch rows the runner
     moved (a request left out of the step, or added back): the cache
@@ -466,7 +466,7 @@ def _scrub(runner, dc: DeviceChecker) -> None:
 def _hand_to_native(rt, cls) -> None:
     """From now on the native STEP and GUARD hooks on ``cls`` (when there
     are) begin quiet steps and guard the common ones themselves
-    (kvsan._hookfast's step_call and guard_call), with this module's
+    (kvsan._native._hookfast's step_call and guard_call), with this module's
     caches; any other step still comes here.  Inline (it runs after every
     step the Python hook began): a class attribute and a type check per
     hook when they are already handed."""
@@ -515,7 +515,7 @@ def _guard_step(rt, runner, num_sched) -> None:
         slots = batch.block_table.block_tables[0].slot_mapping.gpu
         rids = batch.req_ids
         # the common step (host memory, the same batch as the last guard) in
-        # one C call; any other, or no kvsan._devicefast, in Python
+        # one C call; any other, or no kvsan._native._devicefast, in Python
         fast = dc._fast
         bad = fast.guard_step(dc, slots, rids, n, num_sched) if fast is not None else None
         if bad is None:

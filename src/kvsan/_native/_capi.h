@@ -1,12 +1,12 @@
 /* kvsan's C modules calling one another directly.
  *
- * kvsan._hookfast runs an allocator event through kvsan._frames (the call
- * context) and kvsan._shadowfast (the event itself).  Through their Python
+ * kvsan._native._hookfast runs an allocator event through kvsan._native._frames (the call
+ * context) and kvsan._native._shadowfast (the event itself).  Through their Python
  * methods each call costs a method lookup, an argument check and a result
  * object (a (site, owner) tuple, a result tuple, a list of freed ids then
  * copied into the step journal): on a 4-block prefix hit that was more than
  * vLLM's own ``touch``.  Each module therefore also exports a capsule of C
- * functions (``kvsan._frames._C_API``, ``kvsan._shadowfast._C_API``) that do
+ * functions (``kvsan._native._frames._C_API``, ``kvsan._native._shadowfast._C_API``) that do
  * the same work without those objects.  _hookfast imports them at
  * configure(); where one is missing or of another ABI it keeps the method
  * route, which gives the same results.
@@ -44,7 +44,7 @@ typedef struct {
     PyObject *(*snapshot_list)(const long long *snap, Py_ssize_t k);
 } KvsanShadowAPI;
 
-#define KVSAN_FRAMES_CAPSULE "kvsan._frames._C_API"
-#define KVSAN_SHADOW_CAPSULE "kvsan._shadowfast._C_API"
+#define KVSAN_FRAMES_CAPSULE "kvsan._native._frames._C_API"
+#define KVSAN_SHADOW_CAPSULE "kvsan._native._shadowfast._C_API"
 
 #endif

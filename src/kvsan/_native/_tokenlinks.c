@@ -1,4 +1,4 @@
-/* kvsan._tokenlinks: the identity audit's token chain, computed in C.
+/* kvsan._native._tokenlinks: the identity audit's token chain, computed in C.
  *
  * kvsan.checks.identity.RequestIdentity.extend links each block of a
  * request's tokens to its parent as ``hash((parent, tuple(block_tokens)))``
@@ -261,7 +261,7 @@ Links_tolist(LinksObject *l, PyObject *unused)
 }
 
 /* == and != with another Links or a list or tuple of ints (a chain's
- * ``tok`` is a list where kvsan._tokenlinks is not in use) */
+ * ``tok`` is a list where kvsan._native._tokenlinks is not in use) */
 static PyObject *
 Links_richcompare(LinksObject *l, PyObject *other, int op)
 {
@@ -324,7 +324,7 @@ static PyMethodDef Links_methods[] = {
 
 static PyTypeObject LinksType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvsan._tokenlinks.Links",
+    .tp_name = "kvsan._native._tokenlinks.Links",
     .tp_doc = "A token chain's links: a growable array of 64-bit ints (a list's "
               "len, [i], +=, append, extend; == with a list).",
     .tp_basicsize = sizeof(LinksObject),
@@ -794,7 +794,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef tokenlinks_module = {
     .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "kvsan._tokenlinks",
+    .m_name = "kvsan._native._tokenlinks",
     .m_doc = "The identity audit's token chain in C (optional speed-up).",
     .m_size = -1,
     .m_methods = methods,
@@ -827,7 +827,7 @@ PyInit__tokenlinks(void)
         }
         if (!PyType_Check(ref)) {
             Py_DECREF(ref);
-            PyErr_SetString(PyExc_TypeError, "kvsan._tokenlinks: _weakref.ref is not a type");
+            PyErr_SetString(PyExc_TypeError, "kvsan._native._tokenlinks: _weakref.ref is not a type");
             return NULL;
         }
         weakref_type = (PyTypeObject *)ref;

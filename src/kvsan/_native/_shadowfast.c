@@ -1,4 +1,4 @@
-/* kvsan._shadowfast: the clean case of the shadow table's hot updates in C.
+/* kvsan._native._shadowfast: the clean case of the shadow table's hot updates in C.
  *
  * kvsan.checks.AllocatorChecker is the reference: every rule lives there,
  * in Python.  On the scheduler's hot path (every allocate, prefix hit, free
@@ -76,7 +76,7 @@ registered_slot(PyTypeObject *tp, PyObject *prop)
     return slots_type_lookup(tp, PyDescr_NAME(d)) == d ? d : NULL;
 }
 
-/* the block type's offsets (kvsan/_slots.h), with ``block_hash``'s property
+/* the block type's offsets (kvsan/_native/_slots.h), with ``block_hash``'s property
  * read as the slot it returns */
 static SlotTable block_slots = {.property_slot = registered_slot};
 
@@ -199,7 +199,7 @@ static PyMemberDef Hold_members[] = {
 };
 
 static PyTypeObject HoldType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsan._shadowfast.Hold",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsan._native._shadowfast.Hold",
     .tp_basicsize = sizeof(Hold),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Hold(n, when): an owner's references and since when it holds any",
@@ -674,7 +674,7 @@ static PyMethodDef HeldMap_methods[] = {
 };
 
 static PyTypeObject HeldMapType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsan._shadowfast.HeldMap",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvsan._native._shadowfast.HeldMap",
     .tp_basicsize = sizeof(HeldMap),
     .tp_flags = Py_TPFLAGS_DEFAULT, /* holds strs only: in no reference cycle */
     .tp_doc = "HeldMap(): owner -> what it holds (shadow.held), entries inline",
@@ -1039,7 +1039,7 @@ table_ok(Table *t)
         || PyList_GET_SIZE(t->hashes) != t->n || PyList_GET_SIZE(t->acq_owner) != t->n
         || PyList_GET_SIZE(t->rel_owner) != t->n || t->seen == NULL) {
         PyErr_SetString(PyExc_RuntimeError,
-                        "kvsan._shadowfast: the shadow table changed size or was not set up");
+                        "kvsan._native._shadowfast: the shadow table changed size or was not set up");
         return 0;
     }
     return 1;
@@ -1199,7 +1199,7 @@ pop_extra(Table *t, PyObject *key, PyObject *extra, Py_ssize_t j)
         j = n - 1;
     }
     if (j < 0 || j >= n) {
-        PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
+        PyErr_SetString(PyExc_RuntimeError, "kvsan._native._shadowfast: owner vanished");
         return NULL;
     }
     PyObject *got = Py_NewRef(PyList_GET_ITEM(extra, j));
@@ -1352,7 +1352,7 @@ site_id(Table *t, PyObject *site)
             return (int)v;
         }
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "kvsan._shadowfast: site id out of range");
+            PyErr_SetString(PyExc_ValueError, "kvsan._native._shadowfast: site id out of range");
         }
         return -1;
     }
@@ -1364,7 +1364,7 @@ site_id(Table *t, PyObject *site)
     Py_DECREF(got);
     if (v < 0 || v > USHRT_MAX) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_ValueError, "kvsan._shadowfast: site id out of range");
+            PyErr_SetString(PyExc_ValueError, "kvsan._native._shadowfast: site id out of range");
         }
         return -1;
     }
@@ -2105,7 +2105,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
         continue;
     vanished:
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_RuntimeError, "kvsan._shadowfast: owner vanished");
+            PyErr_SetString(PyExc_RuntimeError, "kvsan._native._shadowfast: owner vanished");
         }
     error_key:
         Py_XDECREF(key);
@@ -2607,7 +2607,7 @@ list_item(PyObject *obj, int f, Py_ssize_t i, int *err)
     return v;
 }
 
-/* kvsan._tokenlinks.Links (a chain's ``tok`` where that module is in use),
+/* kvsan._native._tokenlinks.Links (a chain's ``tok`` where that module is in use),
  * read in line; NULL where it is not built for this module's layout */
 static PyTypeObject *links_type = NULL;
 
@@ -2803,7 +2803,7 @@ static PyMethodDef module_methods[] = {
 
 static PyTypeObject TableType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvsan._shadowfast.Table",
+    .tp_name = "kvsan._native._shadowfast.Table",
     .tp_doc = "Table(shadow, mismatched, counters): the clean-event fast path over a kvsan "
               "ShadowTable's arrays, with the event's bookkeeping.",
     .tp_basicsize = sizeof(Table),
@@ -2818,7 +2818,7 @@ static PyTypeObject TableType = {
 
 static struct PyModuleDef shadowfast_module = {
     .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "kvsan._shadowfast",
+    .m_name = "kvsan._native._shadowfast",
     .m_doc = "The clean case of kvsan's shadow-table updates in C (optional speed-up).",
     .m_size = -1,
     .m_methods = module_methods,
@@ -2851,8 +2851,8 @@ PyInit__shadowfast(void)
     if (ident_names_init() < 0) {
         return NULL;
     }
-    /* Links of the same layout: kvsan._tokenlinks built from this source */
-    PyObject *tl = PyImport_ImportModule("kvsan._tokenlinks");
+    /* Links of the same layout: kvsan._native._tokenlinks built from this source */
+    PyObject *tl = PyImport_ImportModule("kvsan._native._tokenlinks");
     PyObject *abi = tl == NULL ? NULL : PyObject_GetAttrString(tl, "ABI");
     PyObject *lt = abi == NULL ? NULL : PyObject_GetAttrString(tl, "Links");
     if (lt != NULL && PyType_Check(lt) && PyLong_Check(abi)

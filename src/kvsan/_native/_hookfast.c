@@ -1,10 +1,10 @@
-/* kvsan._hookfast: the hottest engine hooks as C callables.
+/* kvsan._native._hookfast: the hottest engine hooks as C callables.
  *
  * vLLM's scheduler makes about fifty BlockPool calls a step at 256 running
  * requests (get_new_blocks, touch, free_blocks, cache_full_blocks).  Through
  * kvsan's Python trampolines each costs a handful of Python frames of glue
- * before the clean-event work, which is already in C (kvsan._shadowfast,
- * kvsan._frames): the trampoline, the hook, the checker lookup, the call
+ * before the clean-event work, which is already in C (kvsan._native._shadowfast,
+ * kvsan._native._frames): the trampoline, the hook, the checker lookup, the call
  * context, the guard and its timer.  Measured in situ (py-spy), that glue was
  * most of kvsan's scheduler-side cost.  A ``Hook`` here replaces the
  * trampoline for these four methods: it calls vLLM's original with the
@@ -66,12 +66,12 @@ static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime
  * it anew.  kvsan.runtime.set_runtime, the only place that assigns it,
  * calls runtime_changed() (its watcher list), which drops it. */
 static PyObject *rt_cached = NULL;
-static PyObject *context_fn = NULL; /* kvsan._frames.context(depth, owner_ctx) */
+static PyObject *context_fn = NULL; /* kvsan._native._frames.context(depth, owner_ctx) */
 static PyObject *checker_fn = NULL; /* (pool) -> (runtime, checker or None) */
 static PyObject *error_fn = NULL;   /* (runtime, where, exception): may raise */
 static int enabled = 0;             /* enable(): off sends every call to ``slow`` */
 
-/* kvsan._frames' and kvsan._shadowfast's C functions (see _capi.h), or NULL:
+/* kvsan._native._frames' and kvsan._native._shadowfast's C functions (see _capi.h), or NULL:
  * then their Python methods */
 static const KvsanFramesAPI *fapi = NULL;
 static const KvsanShadowAPI *sapi = NULL;
@@ -390,7 +390,7 @@ failed(PyObject *rt, PyObject *where)
  * on every event), resolved once per type and again whenever the type is
  * modified (its version tag), as CPython's own member descriptor reads it;
  * anything else (no slot, an unset one) through PyObject_GetAttr
- * (kvsan/_slots.h: one table per attribute here). */
+ * (kvsan/_native/_slots.h: one table per attribute here). */
 static SlotTable sr_step, sr_fast, sr_journal_of, sr_journal[3]; /* journal: uncached, freed, cached */
 
 /* new reference to ``obj.<name>``, or NULL with an exception */
@@ -478,7 +478,7 @@ context(PyObject *rt, PyObject **site, PyObject **owner)
         PyObject *pair = PyObject_Vectorcall(context_fn, argv, 2, NULL);
         got = pair == NULL ? -1 : pair == Py_None ? 0 : 1;
         if (got == 1 && (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2)) {
-            PyErr_SetString(PyExc_TypeError, "kvsan._hookfast: context() returned no pair");
+            PyErr_SetString(PyExc_TypeError, "kvsan._native._hookfast: context() returned no pair");
             got = -1;
         } else if (got == 1) {
             *site = Py_NewRef(PyTuple_GET_ITEM(pair, 0));
@@ -602,7 +602,7 @@ snap_as_list(PyObject **snap, const long long *csnap, Py_ssize_t k)
     PyObject *out = sapi != NULL ? sapi->snapshot_list(csnap, k) : NULL;
     if (out == NULL) {
         if (!PyErr_Occurred()) {
-            PyErr_SetString(PyExc_RuntimeError, "kvsan._hookfast: the snapshot has no list");
+            PyErr_SetString(PyExc_RuntimeError, "kvsan._native._hookfast: the snapshot has no list");
         }
         return -1;
     }
@@ -673,7 +673,7 @@ apply_event(int kind, PyObject *ck, PyObject *fast, PyObject *rt, PyObject *bloc
         if (kind != K_ALLOCATE) {
             Py_ssize_t at = kind == K_RELEASE ? 1 : 0;
             if (!PyTuple_Check(res) || PyTuple_GET_SIZE(res) <= at) {
-                PyErr_Format(PyExc_TypeError, "kvsan._hookfast: %U() result", *method_of[kind]);
+                PyErr_Format(PyExc_TypeError, "kvsan._native._hookfast: %U() result", *method_of[kind]);
                 Py_DECREF(res);
                 return -1;
             }
@@ -1946,7 +1946,7 @@ batch_reqs(PyObject *batch, PyObject **n, PyObject **rids)
 
 /* K_GUARD: the V1 runner's ``_prepare_inputs(scheduler_output,
  * num_scheduled_tokens)``, after vLLM's method ran: the step's write
- * guard on the slot mapping it filled, through kvsan._devicefast's
+ * guard on the slot mapping it filled, through kvsan._native._devicefast's
  * guard_step (the common step in one call).  ``h->post(rt, runner,
  * num_scheduled_tokens, got)`` does the rest in Python: ``got`` False,
  * nothing was done here (no checker in the cache, a layout of another
@@ -2493,7 +2493,7 @@ static PyGetSetDef hook_getset[] = {
 
 static PyTypeObject HookType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvsan._hookfast.Hook",
+    .tp_name = "kvsan._native._hookfast.Hook",
     .tp_basicsize = sizeof(Hook),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL
                 | Py_TPFLAGS_METHOD_DESCRIPTOR,
@@ -2625,7 +2625,7 @@ static PyMethodDef hookfast_methods[] = {
 
 static struct PyModuleDef hookfast_module = {
     .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "kvsan._hookfast",
+    .m_name = "kvsan._native._hookfast",
     .m_doc = "kvsan's hottest BlockPool hooks in C (optional speed-up).",
     .m_size = -1,
     .m_methods = hookfast_methods,

@@ -1,4 +1,4 @@
-/* kvsan._frames: who made an allocator call, read from the interpreter's
+/* kvsan._native._frames: who made an allocator call, read from the interpreter's
  * frame stack in C.
  *
  * The pure-Python path (kvsan.hooks.engine_frame / owner_from_frames and
@@ -434,7 +434,7 @@ static int
 configured(void)
 {
     if (sites == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "kvsan._frames: configure() was not called");
+        PyErr_SetString(PyExc_RuntimeError, "kvsan._native._frames: configure() was not called");
         return 0;
     }
     return 1;
@@ -607,7 +607,7 @@ static PyMethodDef frames_methods[] = {
 
 static struct PyModuleDef frames_module = {
     .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "kvsan._frames",
+    .m_name = "kvsan._native._frames",
     .m_doc = "Engine call context read from the interpreter's frame stack (optional speed-up).",
     .m_size = -1,
     .m_methods = frames_methods,

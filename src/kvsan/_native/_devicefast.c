@@ -1,4 +1,4 @@
-/* kvsan._devicefast: the device checker's per-step work on host memory, in C.
+/* kvsan._native._devicefast: the device checker's per-step work on host memory, in C.
  *
  * On a CPU device (vLLM's CPU backend, kvsan's own tests) the worker-side
  * checks of kvsan.checks.device.DeviceChecker are a dozen small numpy / torch
@@ -271,7 +271,7 @@ done:
 
 /* kvsan.checks.device.DeviceChecker's attributes read by guard_step
  * (interned at import); the first G_NSLOTS are slots of the checker, read
- * at their offsets (kvsan/_slots.h): between two forward passes each read
+ * at their offsets (kvsan/_native/_slots.h): between two forward passes each read
  * through the instance dict cost about 0.4 µs (caches cold), nine of them
  * a third of the guard's own time */
 enum { G_PENDING, G_MAY_DEFER, G_STEP_HITS, G_LAST_BATCH, G_SLOTS_VIEW, G_NP, G_BLOCK_SIZE,
@@ -1336,7 +1336,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef devicefast_module = {
     .m_base = PyModuleDef_HEAD_INIT,
-    .m_name = "kvsan._devicefast",
+    .m_name = "kvsan._native._devicefast",
     .m_doc = "The device checker's host-memory loops in C (optional speed-up).",
     .m_size = -1,
     .m_methods = methods,

@@ -2,9 +2,9 @@
  * member descriptor does it (and a small int's value).
  *
  * kvsan's C modules read a few attributes of the same few classes on every
- * event: vLLM's KVCacheBlock (kvsan._shadowfast), kvsan's own
- * RequestIdentity (kvsan._shadowfast, kvsan._tokenlinks) and its runtime,
- * checker and step journal (kvsan._hookfast).  Through
+ * event: vLLM's KVCacheBlock (kvsan._native._shadowfast), kvsan's own
+ * RequestIdentity (kvsan._native._shadowfast, kvsan._native._tokenlinks) and its runtime,
+ * checker and step journal (kvsan._native._hookfast).  Through
  * PyObject_GetAttr each read costs a type lookup and a descriptor call,
  * about 130 instructions; a prefix hit's identity check read eight
  * attributes per block that way.  A slot is a pointer at a fixed offset in
@@ -32,7 +32,7 @@ typedef struct {
     unsigned int version;
     Py_ssize_t offset[KVSAN_SLOTS_MAX]; /* -1: read through PyObject_GetAttr */
     /* optional: the slot descriptor a property of the type only returns, or
-     * NULL (kvsan._shadowfast reads vLLM's ``block_hash`` property so) */
+     * NULL (kvsan._native._shadowfast reads vLLM's ``block_hash`` property so) */
     PyObject *(*property_slot)(PyTypeObject *tp, PyObject *prop);
 } SlotTable;
 
@@ -249,12 +249,12 @@ ident_set(PyObject *chain, int f, PyObject *value)
     return slots_set(&ident_slots, chain, f, value, ident_names, N_IDENT);
 }
 
-/* kvsan._tokenlinks.Links: a chain's token links (its ``tok``) as a
+/* kvsan._native._tokenlinks.Links: a chain's token links (its ``tok``) as a
  * growable array of 64-bit ints.  A list held an int object per link
  * (32 B + its 8 B slot per cached block) and was one more object per
  * request for the garbage collector to track; a Links is neither tracked
- * nor a holder of objects.  Its interface version is kvsan._tokenlinks's
- * ABI, which kvsan._shadowfast checks before it reads one in line. */
+ * nor a holder of objects.  Its interface version is kvsan._native._tokenlinks's
+ * ABI, which kvsan._native._shadowfast checks before it reads one in line. */
 #define KVSAN_TOKENLINKS_ABI 9
 
 typedef struct {
