@@ -1,0 +1,27 @@
+"""The real-bug corpus: upstream vLLM KV-cache bugs re-created on the
+installed release (the fix reverted at run time, or the release as shipped
+where it still carries the bug), each with a deterministic trigger, the harm
+it does with kvsan off, kvsan's verdict with kvsan on and a control on the
+fixed code.  ``python -m benchmarks.realbugs [--json PATH] [ID ...]``;
+docs/realbugs.md.
+
+``ENTRIES``: id -> :class:`~benchmarks.realbugs.base.Entry` (``id``,
+``upstream``, ``kind_class``, ``releases``, ``level``, ``expected_kinds``,
+``buggy()``, ``fixed()``, ``applies_to(version)``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from .base import Entry
+
+MODULES = [
+    "r01_lora_name_key",
+]
+
+ENTRIES: dict[str, Entry] = {}
+for _name in MODULES:
+    _e = importlib.import_module(f"{__name__}.{_name}").ENTRY
+    ENTRIES[_e.id] = _e
+
+__all__ = ["ENTRIES", "Entry"]
