@@ -17,6 +17,10 @@ from .base import Entry
 
 MODULES = [
     "r01_lora_name_key",
+    "r02_lora_salt_collision",
+    "r03_negative_block_count",
+    "r04_async_consumer_free",
+    "r05_delayed_free_idle",
 ]
 
 ENTRIES: dict[str, Entry] = {}

@@ -9,6 +9,7 @@ import ast
 import contextlib
 import inspect
 import textwrap
+import types
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -95,6 +96,9 @@ class Entry:
     expect: str = "detected"
     miss_reason: str = ""
     counted: bool = True  # False: the negative control
+    #: kvsan settings for the run with kvsan on (``Config`` fields), beside
+    #: ``enabled``; documented settings only (docs/configuration.md)
+    config: dict = field(default_factory=dict)
 
     def applies_to(self, vllm_version: str) -> bool:
         """Whether the bug can be run on that release: it ships the bug, or
@@ -205,18 +209,23 @@ def rebuilt(fn, edits: list[tuple[str, str]]):
     """``fn`` recompiled from its own source with each ``(old, new)`` text
     replaced (``old`` must occur exactly once): the pre-fix lines put back
     into vLLM's function as the release ships it."""
-    src = textwrap.dedent(inspect.getsource(fn))
+    src = inspect.getsource(fn)  # (as indented in its file: so are the edits)
     for old, new in edits:
         n = src.count(old)
         if n != 1:
             raise RuntimeError(f"{fn.__qualname__}: expected the text {old!r} once, "
                                f"found it {n} times: this release's code differs")
         src = src.replace(old, new)
-    tree = ast.parse(src)
+    tree = ast.parse(textwrap.dedent(src))
     ns = dict(fn.__globals__)
     exec(compile(tree, inspect.getsourcefile(fn), "exec"), ns)
-    new = ns[fn.__name__]
+    built = ns[fn.__name__]
+    # run in the module's own namespace (its other functions as patched now)
+    new = types.FunctionType(built.__code__, fn.__globals__, fn.__name__, fn.__defaults__,
+                             fn.__closure__)
+    new.__kwdefaults__ = fn.__kwdefaults__
     new.__qualname__ = fn.__qualname__
+    new.__doc__ = fn.__doc__
     return new
 
 

@@ -18,12 +18,12 @@ def _trial(entry: Entry, rt, buggy: bool) -> Trial:
     return run.trial
 
 
-def _install():
+def _install(settings: dict):
     from kvsan import plugin
     from kvsan.config import Config
 
     plugin.uninstall()
-    return plugin.install(Config(enabled=True, log_events=False), role="engine")
+    return plugin.install(Config(enabled=True, log_events=False, **settings), role="engine")
 
 
 def _violations(rt) -> list:
@@ -47,7 +47,7 @@ def run_entry(entry: Entry) -> dict:
         with entry.buggy():
             off = _trial(entry, None, True)
         row["harm"] = off.harm
-        rt = _install()
+        rt = _install(entry.config)
         try:
             with entry.buggy():
                 on = _trial(entry, rt, True)
@@ -61,7 +61,7 @@ def run_entry(entry: Entry) -> dict:
     except Exception as e:  # noqa: BLE001 - one entry's failure is its row's
         row["error"] = f"{type(e).__name__}: {e}"
         row["traceback"] = traceback.format_exc(limit=6)
-        row["verdict"] = "ERROR"
+        row["verdict"] = f"ERROR {row['error']}"
         row["seconds"] = round(time.perf_counter() - t0, 2)
         return row
     row["kinds"] = sorted({v.kind for v in got})
