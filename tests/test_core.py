@@ -224,11 +224,13 @@ def test_since_records_time_and_step():
 
 
 def _held_maps():
-    from kvsan import shadow
+    from kvsan import hooks, shadow
+    from kvsan.checks import native
 
     maps = [pytest.param(shadow.PyHeldMap, id="python")]
-    if shadow.HeldMap is not shadow.PyHeldMap:
-        maps.append(pytest.param(shadow.HeldMap, id="native"))
+    fast = native.load("_shadowfast", hooks.SHADOWFAST_ABI)
+    if fast is not None:
+        maps.append(pytest.param(fast.HeldMap, id="native"))
     return maps
 
 

@@ -116,10 +116,10 @@ class PyHeldMap:
         return f"HeldMap({self.items()!r})"
 
 
-try:  # the map kvsan._native._shadowfast keeps (entries inline) and the record it reads out
-    from ._native._shadowfast import HeldMap, Hold
-except ImportError:  # not built (or built from another version): the same in Python
-    HeldMap, Hold = PyHeldMap, PyHold
+#: the map a new :class:`ShadowTable` keeps ``held`` in, and the record it
+#: reads out: these until :func:`kvsan.hooks.use_native` switches to
+#: kvsan._native._shadowfast's (entries inline); never with KVSAN_NATIVE=0
+HeldMap, Hold = PyHeldMap, PyHold
 
 
 class ShadowTable:

@@ -291,9 +291,11 @@ def use_native(on: bool = True) -> bool:
     checkers without installing kvsan and wants the C paths (tests,
     benchmarks)."""
     global NATIVE, SHADOWFAST, HOOKFAST, _HOOK_TYPE
+    from .. import shadow
     from ..checks import identity, native
 
     NATIVE = SHADOWFAST = None
+    shadow.HeldMap, shadow.Hold = shadow.PyHeldMap, shadow.PyHold
     if HOOKFAST is not None:  # hooks already installed send every call to Python
         HOOKFAST.flush_overhead()
         HOOKFAST.enable(False)
@@ -310,7 +312,8 @@ def use_native(on: bool = True) -> bool:
                          ENGINE_FILE)
         NATIVE = frames
     SHADOWFAST = native.load("_shadowfast", SHADOWFAST_ABI)
-    if SHADOWFAST is not None:
+    if SHADOWFAST is not None:  # (the shadow tables made from now on keep their map in C)
+        shadow.HeldMap, shadow.Hold = SHADOWFAST.HeldMap, SHADOWFAST.Hold
         for prop, member in _PROPERTY_SLOTS.values():
             if member is not None:
                 SHADOWFAST.property_slot(prop, member)
