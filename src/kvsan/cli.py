@@ -61,7 +61,8 @@ def cmd_owners(args) -> int:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="kvsan", description="KV-cache sanitizer for vLLM")
+    p = argparse.ArgumentParser(prog="kvsan", description="KV-cache sanitizer for vLLM. "
+                                "Each command's options: kvsan COMMAND --help")
     sub = p.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser(
         "check", help="summarize a JSONL report; exit 1 on any violation, 2 unless complete",
@@ -75,33 +76,40 @@ def main(argv=None) -> int:
                     "end-of-run audit -- or it never set up its KV cache pool (kvsan.pool: "
                     "it died while starting). Front ends and workers owe no closing record. "
                     "Violations come first: a report with both exits 1.")
-    c.add_argument("report", help="report file, or directory of per-process reports")
+    c.add_argument("report", help="report file, or directory of per-process reports "
+                                  "(required)")
     c.add_argument("--allow-empty", action="store_true",
                    help="exit 0 on a report with no kvsan record at all (a job where no "
-                        "engine was meant to run; the path must still exist)")
+                        "engine was meant to run; the path must still exist; default: exit 2)")
     c.add_argument("--allow-unclosed", action="store_true",
                    help="accept engine processes without their closing record (a job "
                         "that kills its engine, or stops a server, in the middle of "
-                        "traffic on purpose); a report must still hold an engine process")
+                        "traffic on purpose); a report must still hold an engine process "
+                        "(default: exit 2)")
     c.set_defaults(func=cmd_check)
     d = sub.add_parser("demo", help="run shared-prefix traffic on the real engine, clean "
                                     "and with an injected fault, and show what kvsan finds")
     d.add_argument("--model", help="model directory (default: the generated tiny Llama)")
     d.add_argument("--inject", default="double_unref_on_abort",
-                   help="built-in fault for the second run")
-    d.add_argument("--seed", type=int, default=0)
+                   help="built-in fault for the second run (default: double_unref_on_abort)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the traffic (default: 0)")
     d.add_argument("--in-process", action="store_true",
-                   help="VLLM_ENABLE_V1_MULTIPROCESSING=0 (one process)")
+                   help="run the engine in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                        "(default: a spawned EngineCore)")
     d.add_argument("--workdir", help="where reports go (default: a temp dir)")
     d.set_defaults(func=cmd_demo)
     o = sub.add_parser("owners", help="who holds the KV blocks of a running `vllm serve` "
                                       "(GET /kvsan/owners; needs VLLM_PLUGINS=kvsan)")
     o.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
                    help="the server's base URL (default http://127.0.0.1:8000)")
-    o.add_argument("--json", action="store_true", help="print the raw snapshot")
-    o.add_argument("--limit", type=int, default=50, help="owner rows to print (0: all)")
-    o.add_argument("--timeout", type=float, default=30.0)
-    o.add_argument("--fail-on-orphans", action="store_true", help="exit 1 if any orphan block")
+    o.add_argument("--json", action="store_true",
+                   help="print the raw snapshot as JSON (default: a table)")
+    o.add_argument("--limit", type=int, default=50,
+                   help="owner rows to print, 0 for all (default: 50)")
+    o.add_argument("--timeout", type=float, default=30.0,
+                   help="seconds to wait for the server's answer (default: 30)")
+    o.add_argument("--fail-on-orphans", action="store_true",
+                   help="exit 1 if any orphan block (default: exit 0 after printing)")
     o.set_defaults(func=cmd_owners)
     from .harness.cli import add_commands  # repro, stress
 

@@ -14,6 +14,15 @@ from . import config as _config
 from . import runtime as _rt
 
 
+#: whether :func:`install` ever ran in this process (a runtime removed on
+#: purpose is not put back by :mod:`kvsan.hooks.vllm.bootstrap`)
+_ever_pid: int | None = None
+
+
+def ever_installed() -> bool:
+    return _ever_pid == os.getpid()
+
+
 class HookError(RuntimeError):
     """KVSAN_STRICT=1 and some hook targets are missing, an adapter's
     contract with vLLM does not hold (:mod:`kvsan.hooks.contract`), or the
@@ -25,9 +34,11 @@ def install(cfg: _config.Config, role: str | None = None,
     """Install kvsan in this process with an explicit config (idempotent).
     ``forked_from``: the parent's runtime, in a forked child
     (:func:`install_forked`)."""
+    global _ever_pid
     rt = _rt.get()
     if rt is not None and rt.pid == os.getpid():
         return rt
+    _ever_pid = os.getpid()
     from . import hooks
     from .hooks.vllm import INSTRUMENTOR, processes
 

@@ -26,6 +26,11 @@ violation detected outside any test (collection, session teardown, engine
 shutdown) is reported as "between tests" and fails the session like any
 other unexpected violation.
 
+A test that builds vLLM's ``Scheduler``, ``KVCacheManager`` or ``BlockPool``
+in the pytest process itself, with no engine (vLLM's own unit tests do),
+gets kvsan too, installed at the first such construction
+(:mod:`kvsan.startup`).
+
 The gate fails closed, as ``kvsan check`` does, by the same rule
 (:mod:`kvsan.completeness`): a session whose reports hold no engine process
 (kvsan never loaded where the engine ran, or no test started one), or an
@@ -115,6 +120,12 @@ class Gate:
         self.previous_report = self._saved["KVSAN_REPORT"]
         os.environ["KVSAN"] = "1"
         os.environ["KVSAN_REPORT"] = self.dir + os.sep
+        # this interpreter started before KVSAN was set: a test that builds
+        # vLLM's Scheduler, KVCacheManager or BlockPool here, without an
+        # engine, gets kvsan as a fresh interpreter would (kvsan.startup)
+        from . import startup
+
+        startup.boot()
         self._offsets: dict[str, int] = {}
         self._partial: dict[str, bytes] = {}
         self.records: list[dict] = []  # violation records, in read order
