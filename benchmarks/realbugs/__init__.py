@@ -21,6 +21,9 @@ MODULES = [
     "r03_negative_block_count",
     "r04_async_consumer_free",
     "r05_delayed_free_idle",
+    "r06_session_stale_hashes",
+    "r07_swa_optimistic_free",
+    "r08_abort_during_async_load",
 ]
 
 ENTRIES: dict[str, Entry] = {}
