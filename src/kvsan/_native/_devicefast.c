@@ -203,7 +203,7 @@ fail:
  *    own unsealed blocks.  A slot past the pool counts against its last
  *    block, as the torch path's clamp does. */
 static PyObject *
-guard(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+guard(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 7) {
         PyErr_SetString(PyExc_TypeError,
@@ -441,7 +441,7 @@ bad_reads(PyObject *out, const int64_t *w, const int64_t *c, Py_ssize_t n, int64
 /* release_held() -> None: let go of the held guard buffers (tests, and a
  * checker whose arrays must be freed now) */
 static PyObject *
-release_held(PyObject *self, PyObject *unused)
+release_held(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused))
 {
     guard_release(&held.gb);
     Py_CLEAR(held.tables);
@@ -480,7 +480,7 @@ release_held(PyObject *self, PyObject *unused)
  * persistent batch), nothing deferred or pending, and some tokens to guard.
  * ``tokens``: a 1-d buffer of int32 or int64 (an engine's numpy array). */
 static PyObject *
-guard_step(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+guard_step(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError,
@@ -892,7 +892,7 @@ row_bytes(const Py_buffer *v)
  *    when a layer's rows are not contiguous (the caller's torch path then
  *    handles the layers). */
 static PyObject *
-checksums(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+checksums(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4) {
         PyErr_SetString(PyExc_TypeError, "checksums(layers, blocks, weights, chunks)");
@@ -1114,7 +1114,7 @@ row_of(PyObject *ids, Py_ssize_t n, PyObject *rid)
  *   same.  Between two forward passes the method's frames and the batch's
  *   properties cost about 30 µs a call (cold caches). */
 static PyObject *
-check_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+check_rows(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "check_rows(checker, batch, rows, width, counts)");
@@ -1291,7 +1291,7 @@ done:
  * ``level``, use that one (capped at what the CPU has): the tests compare
  * the levels */
 static PyObject *
-simd(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+simd(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs > 1) {
         PyErr_SetString(PyExc_TypeError, "simd([level])");

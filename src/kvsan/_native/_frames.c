@@ -516,7 +516,7 @@ capi_context(PyObject *ctx, PyObject **site, PyObject **owner)
 }
 
 static PyObject *
-frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+frames_context(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError, "context(depth, owner_ctx)");
@@ -548,7 +548,7 @@ frames_context(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 }
 
 static PyObject *
-frames_site(PyObject *self, PyObject *arg)
+frames_site(PyObject *Py_UNUSED(self), PyObject *arg)
 {
     frame_t f;
     if (frame_at(arg, &f) < 0) {
@@ -560,7 +560,7 @@ frames_site(PyObject *self, PyObject *arg)
 }
 
 static PyObject *
-frames_configure(PyObject *self, PyObject *args)
+frames_configure(PyObject *Py_UNUSED(self), PyObject *args)
 {
     PyObject *tcode, *prefix, *sites_, *text, *slots, *efile = NULL;
     int depth;
@@ -586,7 +586,7 @@ frames_configure(PyObject *self, PyObject *args)
 }
 
 static PyObject *
-frames_owners_changed(PyObject *self, PyObject *unused)
+frames_owners_changed(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused))
 {
     clear_owner_cache();
     Py_RETURN_NONE;

@@ -2335,7 +2335,7 @@ hook_dealloc(Hook *h)
 }
 
 static PyObject *
-hook_descr_get(PyObject *self, PyObject *obj, PyObject *type)
+hook_descr_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type))
 {
     if (obj == NULL || obj == Py_None) {
         return Py_NewRef(self);
@@ -2344,13 +2344,13 @@ hook_descr_get(PyObject *self, PyObject *obj, PyObject *type)
 }
 
 static PyObject *
-hook_get_observer(Hook *h, void *closure)
+hook_get_observer(Hook *h, void *Py_UNUSED(closure))
 {
     return Py_NewRef(h->observer);
 }
 
 static int
-hook_set_observer(Hook *h, PyObject *value, void *closure)
+hook_set_observer(Hook *h, PyObject *value, void *Py_UNUSED(closure))
 {
     if (value == NULL) {
         value = Py_None;
@@ -2364,13 +2364,13 @@ hook_set_observer(Hook *h, PyObject *value, void *closure)
 }
 
 static PyObject *
-hook_get_identity(Hook *h, void *closure)
+hook_get_identity(Hook *h, void *Py_UNUSED(closure))
 {
     return Py_NewRef(h->identity);
 }
 
 static int
-hook_set_identity(Hook *h, PyObject *value, void *closure)
+hook_set_identity(Hook *h, PyObject *value, void *Py_UNUSED(closure))
 {
     if (value == NULL) {
         value = Py_None;
@@ -2385,13 +2385,13 @@ hook_set_identity(Hook *h, PyObject *value, void *closure)
 }
 
 static PyObject *
-hook_get_state(Hook *h, void *closure)
+hook_get_state(Hook *h, void *Py_UNUSED(closure))
 {
     return Py_NewRef(h->state);
 }
 
 static int
-hook_set_state(Hook *h, PyObject *value, void *closure)
+hook_set_state(Hook *h, PyObject *value, void *Py_UNUSED(closure))
 {
     if (value == NULL) {
         value = Py_None;
@@ -2441,25 +2441,25 @@ hook_set_state(Hook *h, PyObject *value, void *closure)
 }
 
 static PyObject *
-hook_get_calls(Hook *h, void *closure)
+hook_get_calls(Hook *h, void *Py_UNUSED(closure))
 {
     return PyLong_FromUnsignedLongLong(h->calls);
 }
 
 static PyObject *
-hook_get_seconds(Hook *h, void *closure)
+hook_get_seconds(Hook *h, void *Py_UNUSED(closure))
 {
     return PyFloat_FromDouble(h->seconds);
 }
 
 static PyObject *
-hook_get_observed(Hook *h, void *closure)
+hook_get_observed(Hook *h, void *Py_UNUSED(closure))
 {
     return PyLong_FromUnsignedLongLong(h->observed);
 }
 
 static PyObject *
-hook_get_observe_seconds(Hook *h, void *closure)
+hook_get_observe_seconds(Hook *h, void *Py_UNUSED(closure))
 {
     return PyFloat_FromDouble(h->observe_seconds);
 }
@@ -2527,7 +2527,7 @@ import_capi(void)
 }
 
 static PyObject *
-hookfast_configure(PyObject *self, PyObject *args)
+hookfast_configure(PyObject *Py_UNUSED(self), PyObject *args)
 {
     PyObject *globals, *ctxf, *ckf, *errf;
     if (!PyArg_ParseTuple(args, "O!OOO", &PyDict_Type, &globals, &ctxf, &ckf, &errf)) {
@@ -2550,7 +2550,7 @@ hookfast_configure(PyObject *self, PyObject *args)
 }
 
 static PyObject *
-hookfast_enable(PyObject *self, PyObject *on)
+hookfast_enable(PyObject *Py_UNUSED(self), PyObject *on)
 {
     int v = PyObject_IsTrue(on);
     if (v < 0) {
@@ -2566,7 +2566,7 @@ hookfast_enable(PyObject *self, PyObject *on)
 }
 
 static PyObject *
-hookfast_runtime_changed(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+hookfast_runtime_changed(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     (void)args;
     (void)nargs; /* (kvsan.runtime's watchers get the new runtime: read anew) */
@@ -2575,7 +2575,7 @@ hookfast_runtime_changed(PyObject *self, PyObject *const *args, Py_ssize_t nargs
 }
 
 static PyObject *
-flush_overhead(PyObject *self, PyObject *unused)
+flush_overhead(PyObject *Py_UNUSED(self), PyObject *Py_UNUSED(unused))
 {
     if (flush() < 0) {
         return NULL;
@@ -2584,7 +2584,7 @@ flush_overhead(PyObject *self, PyObject *unused)
 }
 
 static PyObject *
-hookfast_direct(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+hookfast_direct(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs > 1) {
         PyErr_SetString(PyExc_TypeError, "direct([on])");

@@ -516,7 +516,7 @@ HeldMap_getitem(HeldMap *m, PyObject *owner)
 
 /* the owners, in table order (a list: iterating never sees the map change) */
 static PyObject *
-HeldMap_keys(HeldMap *m, PyObject *unused)
+HeldMap_keys(HeldMap *m, PyObject *Py_UNUSED(unused))
 {
     PyObject *out = PyList_New(m->used);
     if (out == NULL) {
@@ -545,7 +545,7 @@ HeldMap_iter(HeldMap *m)
 }
 
 static PyObject *
-HeldMap_items(HeldMap *m, PyObject *unused)
+HeldMap_items(HeldMap *m, PyObject *Py_UNUSED(unused))
 {
     PyObject *out = PyList_New(0);
     if (out == NULL) {
@@ -1378,7 +1378,7 @@ site_id(Table *t, PyObject *site)
  * shadow's ``n_owned`` / ``n_cached_free`` and the checker's ``counters``
  * call settle() first (kvsan.shadow.ShadowTable.settle). */
 static PyObject *
-Table_settle(Table *t, PyObject *unused)
+Table_settle(Table *t, PyObject *Py_UNUSED(unused))
 {
     if (t->counters == NULL || t->sh == NULL) {
         Py_RETURN_NONE;
@@ -1568,7 +1568,7 @@ allocate_impl(PyObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
     int clean = 1;
     for (i = 0; i < k && clean; i++) {
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        Py_ssize_t b, ref;
+        Py_ssize_t b = 0, ref = 0; /* (set by id_and_ref where it returns 1) */
         int r = id_and_ref(t, blk, &b, &ref);
         if (r < 0) {
             goto error;
@@ -1851,7 +1851,7 @@ snapshot_core(Table *t, PyObject *blocks, PyObject *pool, long long *out)
             out[i] = -1;
             continue;
         }
-        Py_ssize_t b, ref;
+        Py_ssize_t b = 0, ref = 0;
         int r = id_and_ref(t, blk, &b, &ref);
         if (r < 0) {
             err = 1;
@@ -1967,7 +1967,7 @@ release_core(Table *t, PyObject *blocks, const long long *snap, PyObject *const 
             continue; /* a null block */
         }
         PyObject *blk = PyList_GET_ITEM(blocks, i);
-        Py_ssize_t b, ref, before = (Py_ssize_t)snap[i];
+        Py_ssize_t b = 0, ref = 0, before = (Py_ssize_t)snap[i];
         int linked_before = (int)(before & 1);
         Py_ssize_t ref_before = (before - linked_before) / 2;
         int r = id_and_ref(t, blk, &b, &ref);
@@ -2376,7 +2376,7 @@ static PyMethodDef Table_methods[] = {
 /* property_slot(prop, member or None): read property ``prop`` as the slot
  * of member descriptor ``member`` (None: as a property again) */
 static PyObject *
-property_slot(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+property_slot(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !Py_IS_TYPE(args[0], &PyProperty_Type)
         || (args[1] != Py_None && !Py_IS_TYPE(args[1], &PyMemberDescr_Type))) {
@@ -2400,7 +2400,7 @@ property_slot(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 
 /* which of the block's fields get_field reads as a slot (tests, diagnostics) */
 static PyObject *
-slot_reads(PyObject *module, PyObject *block)
+slot_reads(PyObject *Py_UNUSED(module), PyObject *block)
 {
     slots_resolve(&block_slots, Py_TYPE(block), names, N_ATTRS);
     PyObject *out = PyList_New(0);
@@ -2414,7 +2414,7 @@ slot_reads(PyObject *module, PyObject *block)
 }
 
 static PyObject *
-read_pool(PyObject *module, PyObject *arg)
+read_pool(PyObject *Py_UNUSED(module), PyObject *arg)
 {
     if (!PyList_Check(arg)) {
         Py_RETURN_NONE; /* the caller reads it in Python */
@@ -2432,7 +2432,7 @@ read_pool(PyObject *module, PyObject *arg)
             goto resized;
         }
         PyObject *blk = Py_NewRef(PyList_GET_ITEM(arg, i)); /* held while read */
-        Py_ssize_t ref;
+        Py_ssize_t ref = 0;
         int k = int_attr(blk, A_REF_CNT, &ref);
         int unlinked = k == 0 ? attr_is_none(blk, A_PREV_FREE) : 0;
         Py_DECREF(blk);
@@ -2497,7 +2497,7 @@ records_arg(PyObject *rec, PyObject **lists, const char *fn)
  * met, and Python must record the call (IdentityAudit.on_cached, which grows
  * the records; records already made here are made again, the same). */
 static PyObject *
-identity_record(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+identity_record(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 7 || !PyList_Check(args[4])) {
         PyErr_SetString(PyExc_TypeError,
@@ -2679,7 +2679,7 @@ same_inputs(PyObject *a, Py_ssize_t k, PyObject *b, Py_ssize_t i)
  * mismatch]), or None (the Python check must run: also for a block served
  * without a cache key, which it reports) */
 static PyObject *
-identity_hits(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+identity_hits(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 4 || !PyList_Check(args[3])) {
         PyErr_SetString(PyExc_TypeError,

@@ -246,7 +246,7 @@ Links_extend(LinksObject *l, PyObject *items)
 }
 
 static PyObject *
-Links_tolist(LinksObject *l, PyObject *unused)
+Links_tolist(LinksObject *l, PyObject *Py_UNUSED(unused))
 {
     PyObject *out = PyList_New(l->n);
     for (Py_ssize_t i = 0; out != NULL && i < l->n; i++) {
@@ -302,7 +302,7 @@ Links_repr(LinksObject *l)
 }
 
 static PyObject *
-Links_sizeof(LinksObject *l, PyObject *unused)
+Links_sizeof(LinksObject *l, PyObject *Py_UNUSED(unused))
 {
     return PyLong_FromSsize_t((Py_ssize_t)sizeof(LinksObject)
                               + (Py_ssize_t)sizeof(int64_t) * l->cap);
@@ -411,7 +411,7 @@ check_range(Py_ssize_t bs, Py_ssize_t start, Py_ssize_t upto)
  * range(start, upto)], each ``hash((previous link, tuple(tokens[k*bs:(k+1)*bs])))``
  * starting from ``parent`` */
 static PyObject *
-links(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+links(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 5 || !PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "links(tokens: list, bs, start, upto, parent)");
@@ -472,7 +472,7 @@ tok_cut(PyObject *chain, Py_ssize_t n)
  * with b"" to at least that length (they may be one list, shared by every
  * text-only chain: RequestIdentity.TEXT_ONLY) */
 static PyObject *
-extend_text(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+extend_text(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 6 || !tok_check(args[0]) || !PyList_CheckExact(args[1])
         || !PyList_CheckExact(args[2]) || !PyList_Check(args[3])) {
@@ -753,7 +753,7 @@ done:
  * end): its Request went, so its entry goes, unless a newer Request under
  * the same id replaced it.  Bound to the chains dict with functools.partial. */
 static PyObject *
-reap(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+reap(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
     if (nargs != 2 || !PyDict_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "reap(chains: dict, ref)");

@@ -546,7 +546,7 @@ class AllocatorChecker:
                      f"the free queue counts {free_count} free block(s) but {n_linked} "
                      "are linked in it", [], [])
         if live_requests is not None:
-            for owner in list(sh.held):
+            for owner in sorted(sh.held):  # (one order for either map, any hash seed)
                 if owner in sh.nonrequest or owner in sh.ended or owner in live_requests:
                     continue
                 blocks = sh.blocks_of(owner)
