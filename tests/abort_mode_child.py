@@ -78,6 +78,7 @@ def main(model: str, then_c: bool = False) -> None:
     add(engine, "A", list(range(200, 210)))
     step_until_output(engine, "A")
     snap = owners_from_llm(llm)[0]
+    emit({"owners": snap.get("owners"), "error": None, "before_cancel": True})
     engine.abort_request(["A"])
     if then_c:
         return next_request(engine, snap)

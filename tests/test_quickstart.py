@@ -238,3 +238,43 @@ def test_every_command_and_option_has_help_and_its_default():
             elif "default" not in a.help and "required" not in a.help:
                 missing.append(f"{name} {opt}: its default is not shown")
     assert missing == [], "\n".join(missing)
+
+
+def test_an_engine_error_says_what_failed_and_why(tmp_path):
+    """vLLM's own checks are bare asserts: the harness names the statement
+    and the place, and, under an injected fault, that the fault broke the
+    state it checks (what `kvsan demo` and `kvsan repro` print)."""
+    from kvsan.harness.errors import describe
+
+    mod = tmp_path / "vllm" / "v1" / "core" / "fake_pool.py"
+    mod.parent.mkdir(parents=True)
+    mod.write_text("def free(block):\n    assert block.ref_cnt >= 0\n")
+    ns = {}
+    exec(compile(mod.read_text(), str(mod), "exec"), ns)
+
+    class Block:
+        ref_cnt = -1
+    try:
+        ns["free"](Block())
+    except AssertionError as e:
+        plain, why = describe(e), describe(e, "touch_without_ref")
+    assert plain == ("AssertionError at vllm/v1/core/fake_pool.py:2 "
+                     "(`assert block.ref_cnt >= 0` failed)"), plain
+    assert why.startswith(plain) and "injected fault 'touch_without_ref'" in why
+    try:
+        {}["k"]
+    except KeyError as e:
+        assert describe(e).startswith("KeyError: 'k' at ")
+
+
+def test_setup_refuses_an_unsupported_python(tmp_path):
+    fake = tmp_path / "python3.9"
+    fake.write_text("#!/bin/sh\n"
+                    "case \"$*\" in *python_version*) echo CPython 3.9.18 ;; esac\n"
+                    "exit 1\n")
+    fake.chmod(0o755)
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup.sh")],
+                         env=dict(os.environ, PYTHON=str(fake)), capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert "is CPython 3.9.18: kvsan needs CPython 3.10 to 3.13" in out.stderr, out.stderr

@@ -122,6 +122,10 @@ def _start_process(rt: _rt.Runtime, forked: bool = False) -> None:
     from . import exporter
 
     exporter.start(rt)  # KVSAN_METRICS_PORT / PROMETHEUS_MULTIPROC_DIR
+    if rt.config.mode == "abort":  # one exit status, in-process or not
+        from .hooks.vllm import abort
+
+        abort.install(rt)
     fault = os.environ.get("KVSAN_INJECT", "").strip()
     if not fault:
         return

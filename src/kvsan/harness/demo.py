@@ -91,7 +91,9 @@ def _child(model: str, seed: int) -> None:
         out["reset"] = bool(llm.reset_prefix_cache())
         out["finished"] += traffic.run(llm, seed=seed + 1, groups=2).finished
     except Exception as e:  # noqa: BLE001 - a faulty engine may die; kvsan's report says why
-        out = {"engine_error": f"{type(e).__name__}: {str(e)[:120]}"}
+        from .errors import describe
+
+        out = {"engine_error": describe(e, os.environ.get("KVSAN_INJECT") or None)}
     write_marked(TRAFFIC_MARK, out)
 
 

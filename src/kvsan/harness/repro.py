@@ -205,7 +205,9 @@ def run_moment(llm, moment: str, toks: dict[str, list[int]], geo: Geometry) -> d
                 add_c()  # C's pressure preempts B; the hook cancels A in that step
         res["error"] = None
     except Exception as e:  # noqa: BLE001 - a faulty engine may die; report why
-        res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        from .errors import describe
+
+        res["error"] = describe(e, os.environ.get("KVSAN_INJECT") or None)
     finally:
         res["steps"] = step
     res["cancelled"] = cancelled

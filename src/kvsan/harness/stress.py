@@ -125,7 +125,9 @@ def drive(llm, reqs: list[Req], toks: dict, logprobs: int = 5, progress=None) ->
             if step > 20 * len(reqs) + 500:
                 raise RuntimeError("the soak did not drain")
     except Exception as e:  # noqa: BLE001 - a faulty engine may die; kvsan says why
-        error = f"{type(e).__name__}: {str(e)[:200]}"
+        from .errors import describe
+
+        error = describe(e, os.environ.get("KVSAN_INJECT") or None)
     viol = v.violations()
     first_step = next((i + 1 for i, n in enumerate(n_viol) if n), None)
     return {"steps": step, "finished": done, "cancelled": cancelled, "timed_out": timed_out,

@@ -1,0 +1,91 @@
+"""``KVSAN_MODE=abort`` with one exit status in every shape of engine.
+
+In-process, kvsan's abort ends the one process with exit status 87.  In
+vLLM's multi-process mode it ends the EngineCore (or a worker) with 87, and
+the front end (``LLM``, ``vllm serve``, a test session) sees vLLM's
+``EngineDeadError`` and would end however its program handles that.  So:
+
+* the front end, at install, puts a path in ``KVSAN_ABORT_FILE``, which the
+  engine processes it starts inherit;
+* a process that aborts writes that file first (before vLLM's engine-dead
+  notice goes out);
+* in the front end, when vLLM builds an ``EngineDeadError`` and the file
+  exists, kvsan says so on stderr and ends the front end with 87 too.
+
+An engine that dies of anything else leaves no file: the front end's
+``EngineDeadError`` is vLLM's, unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+ENV = "KVSAN_ABORT_FILE"
+_MODULE = "vllm.v1.engine.exceptions"
+
+
+def install(rt) -> None:
+    """In every process in abort mode: write the file on abort; in a front
+    end: name the file for its engines and watch for their death."""
+    from ...report import BEFORE_ABORT
+
+    if _mark not in BEFORE_ABORT:
+        BEFORE_ABORT.insert(0, _mark)  # (before the engine-dead notice)
+    if rt.role != "frontend" or os.environ.get(ENV):
+        return
+    import atexit
+    import shutil
+
+    d = tempfile.mkdtemp(prefix="kvsan-abort-")
+    os.environ[ENV] = os.path.join(d, "aborted")
+    atexit.register(shutil.rmtree, d, True)
+    import wrapt
+
+    wrapt.register_post_import_hook(_watch, _MODULE)
+
+
+def _mark() -> None:
+    path = os.environ.get(ENV)
+    if path:
+        with open(path, "w") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def _watch(module) -> None:
+    cls = getattr(module, "EngineDeadError", None)
+    if cls is None or getattr(cls.__init__, "_kvsan_abort", False):
+        return
+    init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        _exit_if_aborted()
+
+    __init__._kvsan_abort = True
+    cls.__init__ = __init__
+
+
+def _exit_if_aborted() -> None:
+    from ...config import ABORT_EXIT_CODE
+    from ... import runtime
+
+    path = os.environ.get(ENV)
+    if not path or not os.path.exists(path):
+        return
+    try:
+        with open(path) as f:
+            pid = f.read().strip()
+    except OSError:
+        pid = "?"
+    sys.stderr.write(f"kvsan: engine process {pid} aborted on a violation (KVSAN_MODE=abort); "
+                     f"the front end exits with code {ABORT_EXIT_CODE} too\n")
+    sys.stderr.flush()
+    rt = runtime.get()
+    if rt is not None:
+        try:
+            rt.reporter.close()
+        except Exception:  # noqa: BLE001 - the exit status is what matters now
+            pass
+    os._exit(ABORT_EXIT_CODE)
