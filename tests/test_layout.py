@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PKG = SRC / "kvsan"
 
 #: the engine-agnostic core
-CORE = ("shadow", "journal", "kinds", "report", "reportfile", "completeness", "summary",
+CORE = ("shadow", "journal", "kinds", "report", "reportsink", "reportfile", "completeness", "summary",
         "owners", "metrics", "config", "runtime", "exporter", "checks")
 
 

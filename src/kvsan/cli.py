@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from . import completeness
-from .reportfile import ReportError, read_records
-from .summary import summarize
+from .reportfile import ReadStats, ReportError, iter_records
+from .summary import Summary
 
 
 #: the option that accepts each kind of incomplete report
@@ -16,21 +17,28 @@ CHECK_OPTIONS = {"empty": "--allow-empty", "unclosed": "--allow-unclosed"}
 
 def cmd_check(args) -> int:
     """Exit 1 on any violation; else 2 unless the report is readable and
-    complete (:mod:`kvsan.completeness`), so that a run where kvsan never
-    loaded, or whose engine died before its audit, cannot pass as clean."""
+    complete (:mod:`kvsan.completeness`) and nothing was lost writing it, so
+    that a run where kvsan never loaded, whose engine died before its audit,
+    or whose disk failed kvsan, cannot pass as clean.  The report is
+    streamed: any file, of any size, is read in bounded memory."""
+    stats = ReadStats()
+    found, gate = Summary(), completeness.Tracker()
     try:
-        records = read_records(args.report)
+        for rec in iter_records(args.report, stats):
+            found.add(rec)
+            gate.add(rec)
     except ReportError as e:
         print(f"kvsan check: {e}", file=sys.stderr)
         return 2
-    found = summarize(records)
-    missing = completeness.problems(records, allow_empty=args.allow_empty,
-                                    allow_unclosed=args.allow_unclosed)
-    for p in missing:
-        hint = CHECK_OPTIONS.get(p.kind)
-        print(f"kvsan check: {'also ' if found else ''}INCOMPLETE {args.report}: {p.message}"
+    n = found.print()
+    missing = [(p.message, CHECK_OPTIONS.get(p.kind))
+               for p in gate.problems(allow_empty=args.allow_empty,
+                                      allow_unclosed=args.allow_unclosed)]
+    missing += [(m, None) for m in stats.problems()]
+    for message, hint in missing:
+        print(f"kvsan check: {'also ' if n else ''}INCOMPLETE {args.report}: {message}"
               + (f" ({hint} accepts this)" if hint else ""), file=sys.stderr)
-    if found:
+    if n:
         return 1  # (KVSAN_MODE=abort stops the engine at its first violation: no closing record)
     return 2 if missing else 0
 
@@ -47,7 +55,7 @@ def cmd_owners(args) -> int:
     from . import owners
 
     try:
-        doc = owners.fetch(args.url, timeout=args.timeout)
+        doc = owners.fetch(args.url, timeout=args.timeout, api_key=args.api_key)
     except Exception as e:  # noqa: BLE001 - network/HTTP/JSON errors alike
         print(f"kvsan owners: cannot fetch {args.url}{owners.ROUTE}: {e} (is the server "
               "running with KVSAN=1 and VLLM_PLUGINS=kvsan?)", file=sys.stderr)
@@ -108,6 +116,9 @@ def main(argv=None) -> int:
                    help="owner rows to print, 0 for all (default: 50)")
     o.add_argument("--timeout", type=float, default=30.0,
                    help="seconds to wait for the server's answer (default: 30)")
+    o.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY") or None,
+                   help="the server's --api-key, sent as a Bearer token (default: "
+                        "$VLLM_API_KEY, else none)")
     o.add_argument("--fail-on-orphans", action="store_true",
                    help="exit 1 if any orphan block (default: exit 0 after printing)")
     o.set_defaults(func=cmd_owners)

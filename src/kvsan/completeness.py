@@ -60,31 +60,73 @@ def _name(proc: tuple) -> str:
     return f"{proc[0]}:{proc[1]}"
 
 
-def engine_processes(records: list[dict]) -> list[tuple]:
-    """(role, pid) of every process that hosted an engine, in report order."""
-    out: dict[tuple, None] = {}
-    for r in records:
+class Tracker:
+    """Reads records one at a time (a report is streamed: :mod:`kvsan.reportfile`)
+    and keeps only what the rule needs: per process, whether it hosted an
+    engine, set up its pool, and its last busy or closing record (a process
+    writes its own records in order, and a reader keeps them in that order)."""
+
+    def __init__(self):
+        self.count = 0
+        self.engines: dict[tuple, None] = {}  # (ordered) processes that hosted an engine
+        self.installed: dict[tuple, None] = {}  # processes that wrote kvsan.installed
+        self.pools: set = set()
+        self.last: dict[tuple, dict] = {}
+
+    def add(self, r: dict) -> None:
+        self.count += 1
         ev = r.get("event")
+        if ev is None:
+            return
+        proc = _proc(r)
+        if ev == INSTALLED:
+            self.installed.setdefault(proc, None)
         if ((ev == INSTALLED and r.get("role") == ENGINE_ROLE) or ev in (POOL, BUSY, IDLE)
                 or (ev == SHUTDOWN and r.get("scheduler") is not False)):
-            out.setdefault(_proc(r), None)
-    return list(out)
-
-
-def _last_states(records: list[dict]) -> tuple[set, dict[tuple, dict]]:
-    """The processes that set up a pool, and each process's last busy or
-    closing record (a process writes its own records in order, and a
-    reader keeps them in that order)."""
-    pools, last = set(), {}
-    for r in records:
-        ev = r.get("event")
+            self.engines.setdefault(proc, None)
         if ev == POOL:
-            pools.add(_proc(r))
+            self.pools.add(proc)
         elif ev in (BUSY, IDLE, SHUTDOWN):
-            last[_proc(r)] = r
+            self.last[proc] = {k: r.get(k) for k in ("event", "step", "in_flight")}
             if r.get("scheduler") is not False:
-                pools.add(_proc(r))  # (a report older than kvsan.pool)
-    return pools, last
+                self.pools.add(proc)  # (a report older than kvsan.pool)
+
+    def problems(self, allow_empty: bool = False, allow_unclosed: bool = False) -> list[Problem]:
+        """Why the records added are not a complete report; empty when they
+        are.  ``allow_empty``: a report with no kvsan record at all is
+        accepted; ``allow_unclosed``: an engine process without its closing
+        record is."""
+        if not self.count:
+            if allow_empty:
+                return []
+            return [Problem(EMPTY, "empty report: no kvsan record at all; expected a "
+                                   f"{INSTALLED} record from an engine process (the "
+                                   "EngineCore, or the process running the engine "
+                                   "in-process) and its closing record. kvsan did not run: "
+                                   f"{_SETUP}")]
+        if not self.engines:
+            seen = sorted(_name(p) for p in self.installed)
+            return [Problem(NO_ENGINE, f"no engine process in the report: kvsan ran in "
+                                       f"{', '.join(seen) or 'no process that wrote ' + INSTALLED}"
+                                       f", but expected a {INSTALLED} record from an engine "
+                                       "(EngineCore) process, or a process that ran the "
+                                       f"scheduler in-process ({POOL}): {_SETUP}")]
+        if allow_unclosed:
+            return []
+        found = [_unclosed(p, p in self.pools, self.last.get(p)) for p in self.engines]
+        return [Problem(UNCLOSED, m) for m in found if m]
+
+
+def _fed(records) -> Tracker:
+    t = Tracker()
+    for r in records:
+        t.add(r)
+    return t
+
+
+def engine_processes(records: list[dict]) -> list[tuple]:
+    """(role, pid) of every process that hosted an engine, in report order."""
+    return list(_fed(records).engines)
 
 
 _DIED = "(killed, crashed, or still running when the report was read)"
@@ -108,29 +150,8 @@ def _unclosed(proc: tuple, pool: bool, last: dict | None) -> str | None:
     return None
 
 
-def problems(records: list[dict], allow_empty: bool = False,
+def problems(records, allow_empty: bool = False,
              allow_unclosed: bool = False) -> list[Problem]:
     """Why ``records`` (one report, every process's records in order) are not
-    a complete report; empty when they are.  ``allow_empty``: a report with
-    no kvsan record at all is accepted; ``allow_unclosed``: an engine
-    process without its closing record is."""
-    if not records:
-        if allow_empty:
-            return []
-        return [Problem(EMPTY, "empty report: no kvsan record at all; expected a "
-                               f"{INSTALLED} record from an engine process (the EngineCore, "
-                               "or the process running the engine in-process) and its "
-                               f"closing record. kvsan did not run: {_SETUP}")]
-    engines = engine_processes(records)
-    if not engines:
-        seen = sorted({_name(_proc(r)) for r in records if r.get("event") == INSTALLED})
-        return [Problem(NO_ENGINE, f"no engine process in the report: kvsan ran in "
-                                   f"{', '.join(seen) or 'no process that wrote ' + INSTALLED}"
-                                   f", but expected a {INSTALLED} record from an engine "
-                                   "(EngineCore) process, or a process that ran the "
-                                   f"scheduler in-process ({POOL}): {_SETUP}")]
-    if allow_unclosed:
-        return []
-    pools, last = _last_states(records)
-    found = [_unclosed(p, p in pools, last.get(p)) for p in engines]
-    return [Problem(UNCLOSED, m) for m in found if m]
+    a complete report; empty when they are (:meth:`Tracker.problems`)."""
+    return _fed(records).problems(allow_empty, allow_unclosed)

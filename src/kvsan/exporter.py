@@ -202,6 +202,12 @@ def start_port(rt) -> int | None:
         start_http_server(port, addr=addr, registry=REGISTRY)
     except Exception as e:  # noqa: BLE001 - a busy port must not stop the engine
         try:
+            sys.stderr.write(f"kvsan: metrics exporter of {rt.role} (pid {pid}) not started: "
+                             f"{addr}:{port}: {getattr(e, 'strerror', None) or e}; the engine "
+                             "keeps serving and kvsan keeps checking (KVSAN_METRICS_PORT)\n")
+        except Exception:  # noqa: BLE001
+            pass
+        try:
             rt.reporter.internal_error(f"metrics exporter on {addr}:{port}", e)
         except Exception:  # noqa: BLE001 - raise/abort modes re-raise; not for this
             pass

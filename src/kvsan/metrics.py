@@ -10,6 +10,7 @@ before launch, vLLM's own ``/metrics`` aggregates the EngineCore's values.
 from __future__ import annotations
 
 from .kinds import ALL_KINDS
+from .reportsink import REASONS
 
 
 #: the labels of every ``kvsan_*`` series besides ``kind``: which process
@@ -69,6 +70,13 @@ class Metrics:
             list(LABELS),
             registry=registry,
         )
+        #: ``reason``: one of :data:`kvsan.reportsink.REASONS`
+        self._lost_family = Counter(
+            "kvsan_records_lost",
+            "Report records kvsan could not write (disk full, read-only, stalled, ...).",
+            ["reason", *LABELS],
+            registry=registry,
+        )
         self._flushed_overhead = 0.0
         self._flushed_steps = 0
         self._bind(engine, rank)
@@ -79,6 +87,8 @@ class Metrics:
         self._labels = dict(role=self.role, engine=str(self.engine), rank=str(self.rank))
         for kind in ALL_KINDS:  # export zeros so dashboards and alerts see every kind
             self._violations.labels(kind=kind, **self._labels)
+        for reason in REASONS:
+            self._lost_family.labels(reason=reason, **self._labels)
         self._internal = self._internal_family.labels(**self._labels)
         for attr, family in self._gauges.items():
             setattr(self, attr, family.labels(**self._labels))
@@ -94,9 +104,13 @@ class Metrics:
                   for kind in ALL_KINDS}
         internal = self._internal._value.get()
         overhead, steps = self._overhead._value.get(), self._steps._value.get()
+        lost = {reason: self._lost_family.labels(reason=reason, **old)._value.get()
+                for reason in REASONS}
         try:
             for kind in ALL_KINDS:
                 self._violations.remove(kind, *old.values())
+            for reason in REASONS:
+                self._lost_family.remove(reason, *old.values())
             for family in (self._internal_family, self._overhead_family, self._steps_family,
                            *self._gauges.values()):
                 family.remove(*old.values())
@@ -106,6 +120,9 @@ class Metrics:
         for kind, n in counts.items():
             if n:
                 self._violations.labels(kind=kind, **self._labels).inc(n)
+        for reason, n in lost.items():
+            if n:
+                self._lost_family.labels(reason=reason, **self._labels).inc(n)
         for child, n in ((self._internal, internal), (self._overhead, overhead),
                          (self._steps, steps)):
             if n:
@@ -117,7 +134,7 @@ class Metrics:
         parent's.  Drop them all and bind this process's labels: the child
         exports its own counts only (the parent keeps exporting its own)."""
         for family in (self._violations, self._internal_family, self._overhead_family,
-                       self._steps_family, *self._gauges.values()):
+                       self._steps_family, self._lost_family, *self._gauges.values()):
             family.clear()
         self.role = role
         self._flushed_overhead = 0.0
@@ -142,6 +159,9 @@ class Metrics:
 
     def internal_error(self) -> None:
         self._internal.inc()
+
+    def records_lost(self, reason: str, n: int = 1) -> None:
+        self._lost_family.labels(reason=reason, **self._labels).inc(n)
 
     def update_pool(self, stats: dict[str, int]) -> None:
         self.live_owned.set(stats["live_owned"])

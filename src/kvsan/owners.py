@@ -183,13 +183,16 @@ UTILITY = "kvsan_owners"
 
 
 # ------------------------------------------------------------- the client
-def fetch(url: str, timeout: float = 30.0) -> dict[str, Any]:
-    from urllib.request import urlopen
+def fetch(url: str, timeout: float = 30.0, api_key: str | None = None) -> dict[str, Any]:
+    """``GET /kvsan/owners``; ``api_key``: the server's ``--api-key`` (sent as
+    vLLM's own routes expect it, ``Authorization: Bearer``)."""
+    from urllib.request import Request, urlopen
 
     base = url.rstrip("/")
     if not base.endswith(ROUTE):
         base += ROUTE
-    with urlopen(base, timeout=timeout) as resp:  # noqa: S310 - operator-given URL
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    with urlopen(Request(base, headers=headers), timeout=timeout) as resp:  # noqa: S310
         return json.loads(resp.read().decode())
 
 

@@ -2,7 +2,10 @@
 and the configured mode (log / raise / abort).
 
 A record is written and flushed *before* the mode acts, so an abort never
-loses the report that explains it.
+loses the report that explains it.  kvsan's own output failing (a full or
+read-only disk, a stalled write, a closed stderr, a metrics error) never
+raises into the engine, in any mode: each record that could not be written
+is counted (:mod:`kvsan.reportsink`), and the mode acts on violations only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .config import ABORT_EXIT_CODE, Config
+from .reportsink import JsonlSink
 
 SCHEMA = 1
 
@@ -64,46 +68,6 @@ class Violation:
         return rec
 
 
-class JsonlSink:
-    """Append-only JSONL.  Each record is one ``os.write`` on an ``O_APPEND``
-    descriptor, so records from several processes sharing one file never
-    interleave; a directory path gives one file per process instead."""
-
-    def __init__(self, path: str, role: str):
-        self.path = path
-        self.role = role
-        self._fd: int | None = None
-        self._pid = -1
-
-    def _target(self) -> str:
-        if self.path.endswith(os.sep) or os.path.isdir(self.path):
-            return os.path.join(self.path, f"kvsan-{self.role}-{os.getpid()}.jsonl")
-        return self.path
-
-    def write(self, record: dict[str, Any]) -> None:
-        if self._fd is None or self._pid != os.getpid():
-            # after fork the inherited descriptor is shared; reopen per process
-            self._fd = os.open(self._target(), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            self._pid = os.getpid()
-        line = (json.dumps(record, default=str, separators=(",", ":")) + "\n").encode()
-        os.write(self._fd, line)
-
-    def close(self) -> None:
-        if self._fd is not None and self._pid == os.getpid():
-            os.close(self._fd)
-        self._fd = None
-
-    def forget_inherited(self) -> None:
-        """In a forked child: close this process's copy of the parent's
-        descriptor (the parent's stays open) and never write through it."""
-        if self._fd is not None and self._pid != os.getpid():
-            try:
-                os.close(self._fd)
-            except OSError:
-                pass
-            self._fd = None
-
-
 def _make_logger():
     import structlog
 
@@ -148,8 +112,33 @@ class Reporter:
         self.kept: deque[Violation] = deque(maxlen=self.MAX_KEPT)
         self.internal_errors = 0
         self._error_sites: set[str] = set()
-        self._sink = JsonlSink(config.report, role) if config.report else None
+        self._sink = (JsonlSink(config.report, role, on_loss=self._record_lost,
+                                stamp=self._stamp) if config.report else None)
         self._log = _make_logger() if config.log_events else None
+
+    def _stamp(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "role": self.role, "engine": self.engine, "rank": self.rank}
+
+    def _record_lost(self, reason: str, n: int = 1) -> None:
+        if self.metrics is not None:
+            self.metrics.records_lost(reason, n)
+
+    @property
+    def records_lost(self) -> int:
+        """Records of this process that never reached the report file."""
+        return self._sink.lost_total if self._sink is not None else 0
+
+    def _out(self, level: str, name: str, rec: dict[str, Any]) -> None:
+        """One record to the log (at ``level``) and the report file.  Never
+        raises: the file's failures are counted by the sink, the log's here."""
+        if self._log is not None:
+            try:
+                getattr(self._log, level)(
+                    name, **{k: rec[k] for k in rec if k not in ("record", "event")})
+            except Exception:  # noqa: BLE001 - stderr closed or full: not the engine's problem
+                self.internal_errors += 1
+        if self._sink is not None:
+            self._sink.write(rec)
 
     # -- violations ---------------------------------------------------------
     def emit(self, v: Violation) -> None:
@@ -161,23 +150,26 @@ class Reporter:
         self.counts[v.kind] += 1
         self.kept.append(v)
         rec = v.to_record()
-        if self._log is not None:
-            self._log.error("kvsan.violation", **{k: rec[k] for k in rec if k != "record"})
-        if self._sink is not None:
-            self._sink.write(rec)
+        self._out("error", "kvsan.violation", rec)
         if self.metrics is not None:
-            self.metrics.violation(v.kind)
+            try:
+                self.metrics.violation(v.kind)
+            except Exception:  # noqa: BLE001 - e.g. an unwritable multiprocess directory
+                self.internal_errors += 1
         if self.config.mode == "raise":
             raise KVSanViolation(v)
         if self.config.mode == "abort":
             self.abort(v)
 
     def abort(self, v: Violation) -> None:
-        sys.stderr.write(
-            f"kvsan: aborting on {v.kind} (KVSAN_MODE=abort), exit code {ABORT_EXIT_CODE}\n"
-        )
-        sys.stderr.flush()
-        self.close()
+        try:
+            sys.stderr.write(
+                f"kvsan: aborting on {v.kind} (KVSAN_MODE=abort), exit code {ABORT_EXIT_CODE}\n"
+            )
+            sys.stderr.flush()
+        except Exception:  # noqa: BLE001 - the abort goes ahead
+            pass
+        self.close()  # (flushes the report, within reportsink.CLOSE_S)
         _announce_end()
         os._exit(ABORT_EXIT_CODE)
 
@@ -185,29 +177,27 @@ class Reporter:
     def event(self, name: str, **fields: Any) -> None:
         """A non-violation record (``kvsan.installed``, audits, ...), stamped
         with this process's ``pid``, ``role``, ``engine`` and ``rank``."""
-        fields = {"pid": os.getpid(), "role": self.role, "engine": self.engine,
-                  "rank": self.rank, **fields}
-        if self._log is not None:
-            self._log.info(name, **fields)
-        if self._sink is not None:
-            self._sink.write({"record": "event", "event": name, "schema": SCHEMA, **fields})
+        fields = {**self._stamp(), **fields}
+        lost = self.records_lost
+        if lost:  # (a closing record says what the report is missing)
+            fields["records_lost"] = lost
+        self._out("info", name, {"record": "event", "event": name, "schema": SCHEMA, **fields})
 
     def internal_error(self, where: str, exc: BaseException) -> None:
         """kvsan's own failure: counted and logged once per site, never raised
         into the engine in ``log`` mode."""
         self.internal_errors += 1
         if self.metrics is not None:
-            self.metrics.internal_error()
+            try:
+                self.metrics.internal_error()
+            except Exception:  # noqa: BLE001
+                pass
         if where not in self._error_sites:
             self._error_sites.add(where)
             error = f"{type(exc).__name__}: {exc}"
-            if self._log is not None:
-                self._log.warning("kvsan.internal_error", where=where, error=error)
-            if self._sink is not None:
-                self._sink.write({"record": "event", "event": "kvsan.internal_error",
-                                  "schema": SCHEMA, "where": where, "error": error,
-                                  "pid": os.getpid(), "role": self.role,
-                                  "engine": self.engine, "rank": self.rank})
+            self._out("warning", "kvsan.internal_error",
+                      {"record": "event", "event": "kvsan.internal_error", "schema": SCHEMA,
+                       "where": where, "error": error, **self._stamp()})
         if self.config.mode != "log":
             raise exc
 

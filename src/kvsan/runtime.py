@@ -109,6 +109,9 @@ class Runtime:
                 self.metrics = Metrics(self.role, engine=self.engine, rank=self.rank)
             except ValueError:  # already registered in this registry (re-init)
                 self.metrics = None
+            except OSError as e:  # PROMETHEUS_MULTIPROC_DIR unwritable: check without metrics
+                self.metrics = None
+                _say_metrics_off(e)
         self.reporter = Reporter(config, self.role, self.metrics,
                                  engine=self.engine, rank=self.rank)
         self.step = 0
@@ -146,6 +149,19 @@ class Runtime:
         self.reporter.counts.clear()
 
 
+def _say_metrics_off(exc: OSError) -> None:
+    """One line: this process checks, but exports no ``kvsan_*`` series."""
+    import sys
+
+    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(
+        "prometheus_multiproc_dir") or "the metrics registry"
+    try:
+        sys.stderr.write(f"kvsan: metrics off in pid {os.getpid()}: cannot write {where} "
+                         f"({exc.strerror or exc}); checks and the report go on\n")
+    except Exception:  # noqa: BLE001
+        pass
+
+
 _runtime: Runtime | None = None
 
 
@@ -155,7 +171,7 @@ def get() -> Runtime | None:
 
 #: called with the new runtime after every :func:`set_runtime` (the only
 #: place that assigns ``_runtime``): code that keeps ``_runtime`` as last
-#: read (kvsan's native hooks: ``kvsan._hookfast.runtime_changed``) reads it
+#: read (kvsan's native hooks: ``kvsan._native._hookfast.runtime_changed``) reads it
 #: anew.  Registered by whoever keeps it (:func:`kvsan.hooks.use_native`).
 _WATCHERS: list = []
 

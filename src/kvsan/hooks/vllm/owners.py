@@ -119,8 +119,80 @@ async def from_client(core) -> list[dict[str, Any]]:
 
 
 # ------------------------------------------------ API server side (vLLM)
+#: at most one engine snapshot per this many seconds, shared by every caller
+#: of ``GET /kvsan/owners`` (each snapshot runs between two engine steps; a
+#: dashboard polling many times a second must not make the engine pay for it)
+MIN_INTERVAL_S = 1.0
+
+
+def api_tokens(args) -> list[str]:
+    """The keys vLLM's API server requires, by vLLM's own rule
+    (``init_entrypoints_middleware``): ``--api-key`` (one or several), else
+    ``VLLM_API_KEY``."""
+    keys = getattr(args, "api_key", None) if args is not None else None
+    if isinstance(keys, str):
+        keys = [keys]
+    return [k for k in (keys or [os.environ.get("VLLM_API_KEY")]) if k]
+
+
+def authorized(tokens_sha: list[bytes], header: str | None) -> bool:
+    """``Authorization: Bearer <key>`` against the keys' digests, compared in
+    constant time, as vLLM's ``AuthenticationMiddleware`` does."""
+    import hashlib
+    import secrets
+
+    if not tokens_sha:
+        return True
+    scheme, _, param = (header or "").partition(" ")
+    if scheme.lower() != "bearer":
+        return False
+    digest = hashlib.sha256(param.encode("utf-8")).digest()
+    ok = False
+    for t in tokens_sha:
+        ok |= secrets.compare_digest(digest, t)
+    return ok
+
+
+class SharedSnapshot:
+    """One engine snapshot at a time, at most one per ``interval`` seconds:
+    callers that arrive while one is being taken wait for it, callers within
+    ``interval`` of the last get it again (its ``time`` says when it was
+    taken).  ``take`` is the coroutine function that asks the engines."""
+
+    def __init__(self, take, interval: float = MIN_INTERVAL_S):
+        self.take = take
+        self.interval = interval
+        self.taken = 0  # snapshots asked of the engines (for the tests)
+        self._last: tuple[float, Any] | None = None
+        self._pending = None
+
+    async def get(self):
+        import asyncio
+        import time
+
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self._last[1]
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._refresh())
+        return await asyncio.shield(self._pending)
+
+    async def _refresh(self):
+        import time
+
+        try:
+            self.taken += 1
+            result = await self.take()
+            self._last = (time.monotonic(), result)
+            return result
+        finally:
+            self._pending = None
+
+
 class EndpointPlugin:
-    """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``."""
+    """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``, behind the
+    same API key as vLLM's own routes (vLLM's middleware guards ``/v1``
+    only), at most one engine snapshot per :data:`MIN_INTERVAL_S`."""
 
     name = "kvsan"
     required_tasks = None
@@ -132,12 +204,15 @@ class EndpointPlugin:
         router = APIRouter()
 
         async def kvsan_owners(request: Request):
-            client = getattr(request.app.state, "kvsan_engine_client", None)
-            core = getattr(client, "engine_core", None)
-            if core is None:
+            state = request.app.state
+            if not authorized(getattr(state, "kvsan_api_tokens", []),
+                              request.headers.get("Authorization")):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+            shared = getattr(state, "kvsan_owners", None)
+            if shared is None:
                 return JSONResponse({"error": "no engine behind this server"}, status_code=503)
             try:
-                engines = await from_client(core)
+                engines = await shared.get()
             except Exception as e:  # noqa: BLE001
                 return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
             return JSONResponse({"schema": SCHEMA, "engines": engines})
@@ -148,7 +223,13 @@ class EndpointPlugin:
         app.include_router(router)
 
     async def init_state(self, engine_client, state, args) -> None:
-        state.kvsan_engine_client = engine_client
+        import hashlib
+
+        state.kvsan_api_tokens = [hashlib.sha256(t.encode("utf-8")).digest()
+                                  for t in api_tokens(args)]
+        core = getattr(engine_client, "engine_core", None)
+        state.kvsan_owners = (SharedSnapshot(lambda: from_client(core))
+                              if core is not None else None)
 
 
 def endpoint_plugin() -> EndpointPlugin:
