@@ -24,6 +24,7 @@ MODULES = [
     "r06_session_stale_hashes",
     "r07_swa_optimistic_free",
     "r08_abort_during_async_load",
+    "r09_spec_async_load_deadlock",
     "n01_stale_partial_hash",
 ]
 
