@@ -99,8 +99,17 @@ async def main(model: str, http_port: int) -> dict:
                 jobs.append(_stream(eng, f"clean-{g}-{m}", prefix + tail,
                                     40 if cancel else 12, cancel))
         out["clean_outputs"] = await asyncio.gather(*jobs)
-        await asyncio.sleep(1.0)  # the engines go idle (kvsan audits at rest)
-        out["owners_clean"] = await owners.from_client(eng.engine_core)
+        # a cancelled stream's abort reaches its engine after the client
+        # moved on: poll the engines' own tables until every request's end
+        # is filed there (or a minute passed: the test then says what is not)
+        deadline = time.monotonic() + 60
+        while True:
+            snap = await owners.from_client(eng.engine_core)
+            ended = sum(sum(e.get("recent_ends", {}).values()) for e in snap)
+            if ended >= len(jobs) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.1)
+        out["owners_clean"] = snap
         # each engine's and worker's own exporter, while they run
         base = int(os.environ["KVSAN_METRICS_PORT"])
         out["metrics"] = {}

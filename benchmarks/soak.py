@@ -1,0 +1,398 @@
+"""``make soak``: mixed traffic on the real engine for a long time, kvsan on
+in log mode, and evidence that nothing grows.
+
+    .venv/bin/python -m benchmarks.soak --minutes 30          # what `make soak` runs
+    .venv/bin/python -m benchmarks.soak --minutes 3 --every 10
+
+The engine (the tiny model, in-process: front end, EngineCore and worker in
+one child process, so kvsan's tables are read where they live) serves a
+closed loop of requests: groups sharing 1-4 block prefixes, a cache salt
+(two tenants) on some, one of two LoRA adapters on some, about 15%
+cancelled mid-flight, under a pool small enough that cached blocks are
+evicted and running requests preempted.  kvsan runs in log mode with a
+report directory, as in staging.
+
+Every ``--every`` seconds (60 by default) the child reports: the resident
+memory (RSS) of each process of the engine, the sizes of kvsan's own
+growing state (the shadow table's per-owner entries, the step journal, the
+identity audit's records, the report files), requests served, cancelled
+and preempted, tokens, violations.  The run holds when, after warm-up (the
+first third of the run), memory is flat -- RSS at the end at most
+``--flat`` (5%) above RSS at the start of the window, for every process --
+and kvsan reported no violation.  The table, the verdict, a JSON record and
+a PNG of memory over time are written (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+SAMPLE = "KVSAN_SOAK "
+BLOCK = 32
+RANK = 8
+
+
+# ------------------------------------------------------------------ child
+def _rss_tree(pid: int) -> dict[int, int]:
+    """pid -> resident memory in KiB, for ``pid`` and its descendants (Linux
+    /proc; empty elsewhere)."""
+    out, todo = {}, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out[p] = int(line.split()[1])
+                        break
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo.extend(int(c) for c in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _containers(obj) -> dict[str, int]:
+    """name -> entries, for the variable-size containers ``obj`` holds (its
+    attributes and slots, one level down): what would grow if kvsan kept
+    something per request or per step and never let it go.  Per-block
+    arrays (fixed at start) count too: they stay constant."""
+    names = list(getattr(obj, "__dict__", {}))
+    for cls in type(obj).__mro__:
+        slots = getattr(cls, "__slots__", ())
+        names += [slots] if isinstance(slots, str) else [s for s in slots if isinstance(s, str)]
+    got = {}
+    for name in sorted(set(names)):
+        try:
+            v = getattr(obj, name)
+        except AttributeError:
+            continue
+        if isinstance(v, (dict, list, set, frozenset, tuple)) or hasattr(v, "items"):
+            try:
+                got[name] = len(v)
+            except TypeError:
+                pass
+    return got
+
+
+def _entries(*objs) -> int:
+    return sum(sum(_containers(o).values()) for o in objs if o is not None)
+
+
+def _dir_bytes(path: str | None) -> int:
+    total = 0
+    for root, _, files in os.walk(path or "/nonexistent"):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def write_adapter(path: str, seed: int) -> str:
+    """A rank-8 LoRA adapter on q_proj and v_proj of the tiny model, written
+    by hand (no hub, no peft): what vLLM loads from a directory."""
+    import torch
+    from safetensors.torch import save_file
+
+    from kvsan.harness.tinymodel import ensure_tiny_model
+
+    with open(os.path.join(ensure_tiny_model(), "config.json")) as f:
+        cfg = json.load(f)
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    kv = hidden // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        for proj, out in (("q_proj", hidden), ("v_proj", kv)):
+            pre = f"base_model.model.model.layers.{i}.self_attn.{proj}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(RANK, hidden, generator=g) * 0.1
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out, RANK, generator=g) * 0.1
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": RANK, "lora_alpha": 16,
+                   "target_modules": ["q_proj", "v_proj"], "bias": "none",
+                   "base_model_name_or_path": "tiny"}, f)
+    return path
+
+
+class Traffic:
+    """The closed loop of mixed requests, fixed by the seed."""
+
+    def __init__(self, llm, seed: int, work: str, live: int = 8):
+        from vllm.lora.request import LoRARequest
+
+        self.llm, self.engine = llm, llm.llm_engine
+        self.rng = random.Random(seed)
+        self.live_target = live
+        self.prefixes = [[self.rng.randrange(1, 500) for _ in range(BLOCK * self.rng.choice(
+            (1, 2, 3, 4)))] for _ in range(8)]
+        self.loras = [LoRARequest(f"adapter{i}", i + 1,
+                                  write_adapter(os.path.join(work, f"lora{i}"), i))
+                      for i in range(2)]
+        self.live: dict[str, int] = {}  # request id -> step to cancel it at (-1: never)
+        self.count = self.served = self.cancelled = self.tokens = self.steps = 0
+
+    def _add(self) -> None:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        rng = self.rng
+        rid = f"s{self.count}"
+        self.count += 1
+        tokens = (rng.choice(self.prefixes) if rng.random() < 0.8 else []) + [
+            rng.randrange(1, 500) for _ in range(rng.randrange(1, 48))]
+        prompt = TokensPrompt(prompt_token_ids=tokens)
+        if rng.random() < 0.3:
+            prompt["cache_salt"] = rng.choice(("tenant-a", "tenant-b"))
+        lora = rng.choice(self.loras) if rng.random() < 0.3 else None
+        params = SamplingParams(max_tokens=rng.choice((4, 16, 32, 64)), temperature=0.0,
+                                ignore_eos=True)
+        self.engine.add_request(rid, prompt, params, lora_request=lora)
+        self.live[rid] = self.steps + rng.randrange(1, 20) if rng.random() < 0.15 else -1
+
+    def step(self) -> None:
+        while len(self.live) < self.live_target:
+            self._add()
+        due = [r for r, at in self.live.items() if 0 <= at <= self.steps]
+        if due:
+            self.engine.abort_request(due)
+            self.cancelled += len(due)
+            for r in due:
+                del self.live[r]
+        for out in self.engine.step():
+            self.tokens += sum(len(o.token_ids) for o in out.outputs) if out.finished else 0
+            if out.finished and self.live.pop(out.request_id, None) is not None:
+                self.served += 1
+        self.steps += 1
+
+
+def _kvsan_sizes(rt, report_dir: str | None) -> dict:
+    from kvsan.hooks.vllm import identity as vllm_identity
+
+    ck = next(iter(rt.checkers.values()), None)
+    sh = ck.shadow if ck is not None else None
+    return {
+        "shadow_entries": _entries(sh, ck) if ck is not None else 0,
+        "owners": len(sh.held) if sh is not None else 0,
+        "sites": len(sh.sites) if sh is not None else 0,
+        "journal": _entries(ck.journal) if ck is not None else 0,
+        "identity": sum(_entries(a) for a in vllm_identity._audits.values()),
+        "report_bytes": _dir_bytes(report_dir),
+        "violations": len(rt.violations()),
+        # (which container holds them: where a growth would be found)
+        "detail": {f"{where}.{k}": n for where, o in (("shadow", sh), ("checker", ck))
+                   if o is not None for k, n in _containers(o).items()},
+        "own_errors": rt.reporter.internal_errors,
+    }
+
+
+def child(spec: dict) -> None:
+    from vllm import LLM
+
+    import kvsan
+    from kvsan.harness import traffic
+    from kvsan.harness.tinymodel import ensure_tiny_model
+
+    kw = traffic.engine_kwargs(ensure_tiny_model(), num_blocks=spec["num_blocks"])
+    kw.update(max_num_seqs=8, max_model_len=512, enable_lora=True, max_lora_rank=RANK,
+              max_loras=2)
+    llm = LLM(**kw)
+    rt = kvsan.current_runtime()
+    if rt is None:
+        print(SAMPLE + json.dumps({"error": "kvsan is not loaded in the engine"}), flush=True)
+        return
+    tr = Traffic(llm, spec["seed"], spec["work"])
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    preempted0 = 0
+    t0 = time.time()
+    end, every = t0 + 60 * spec["minutes"], spec["every"]
+    due = t0  # a sample at once (after start-up), then every `every` s
+    while True:
+        now = time.time()
+        if now >= due:
+            ck = next(iter(rt.checkers.values()), None)
+            preempted = ck.counters["preempted"] if ck is not None else preempted0
+            row = {"t": round(now - t0, 1), "rss_kb": _rss_tree(os.getpid()),
+                   "served": tr.served, "cancelled": tr.cancelled, "requests": tr.count,
+                   "tokens": tr.tokens, "steps": tr.steps, "preempted": preempted,
+                   "running": len(sched.running), **_kvsan_sizes(rt, spec["report"])}
+            print(SAMPLE + json.dumps(row), flush=True)
+            due += every
+            if now >= end:
+                break
+        tr.step()
+
+
+# ----------------------------------------------------------------- parent
+def verdict(rows: list[dict], flat: float = 0.05) -> dict:
+    """Whether the run holds: memory flat after warm-up (the first third of
+    the run; from there to the end, every process's RSS grows by at most
+    ``flat``) and no violation.  Also the growth of kvsan's own entries
+    over the same window, reported."""
+    if len(rows) < 3:
+        return {"holds": False, "why": f"{len(rows)} sample(s): too short to judge"}
+    span = rows[-1]["t"]
+    start = next(r for r in rows if r["t"] >= span / 3)
+    last = rows[-1]
+    growth = {}
+    for pid, kb in last["rss_kb"].items():
+        before = start["rss_kb"].get(pid)
+        if before:
+            growth[pid] = kb / before - 1
+    why = []
+    if not growth:
+        why.append("no process measured at both ends of the window")
+    for pid, g in growth.items():
+        if g > flat:
+            why.append(f"pid {pid}: RSS grew {100 * g:.1f}% after warm-up (> {100 * flat:.0f}%)")
+    if last["violations"]:
+        why.append(f"{last['violations']} violation(s)")
+    if last["own_errors"]:
+        why.append(f"{last['own_errors']} error(s) of kvsan's own")
+    if last["served"] <= start["served"]:
+        why.append("no request served after warm-up")
+    return {"holds": not why, "why": "; ".join(why) or "flat and clean",
+            "window_s": [start["t"], last["t"]],
+            "rss_growth": {str(p): round(g, 4) for p, g in growth.items()},
+            "entries_growth": last["shadow_entries"] - start["shadow_entries"]}
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| min | RSS MiB (per process) | shadow entries | owners | journal | identity "
+            "| report KiB | served | cancelled | preempted | tokens/s | violations |")
+    lines = [head, "|" + "---|" * 12]
+    prev = None
+    for r in rows:
+        rate = ((r["tokens"] - prev["tokens"]) / max(1e-9, r["t"] - prev["t"])
+                if prev is not None else 0.0)
+        rss = " / ".join(f"{kb / 1024:.0f}" for _, kb in sorted(r["rss_kb"].items()))
+        lines.append(f"| {r['t'] / 60:.1f} | {rss} | {r['shadow_entries']} | {r['owners']} "
+                     f"| {r['journal']} | {r['identity']} | {r['report_bytes'] / 1024:.1f} "
+                     f"| {r['served']} | {r['cancelled']} | {r['preempted']} | {rate:.0f} "
+                     f"| {r['violations']} |")
+        prev = r
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str, title: str) -> str | None:
+    """RSS of each process (MiB) and kvsan's entries over time, as a PNG."""
+    try:
+        from PIL import Image, ImageDraw
+    except ImportError:
+        return None
+    W, H, L, R, T, B = 720, 360, 70, 20, 40, 50
+    img = Image.new("RGB", (W, H), "white")
+    d = ImageDraw.Draw(img)
+    d.text((L, 12), title, fill="black")
+    d.rectangle([L, T, W - R, H - B], outline="black")
+    pids = sorted({p for r in rows for p in r["rss_kb"]})
+    hi = max((kb for r in rows for kb in r["rss_kb"].values()), default=1) / 1024 * 1.1
+    xmax = max((r["t"] for r in rows), default=1) or 1
+    for i in range(0, 6):
+        y = H - B - (H - B - T) * i / 5
+        d.line([L, y, W - R, y], fill=(230, 230, 230))
+        d.text((8, y - 6), f"{hi * i / 5:.0f} MiB", fill="black")
+    colours = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
+    for k, pid in enumerate(pids):
+        pts = [(L + (W - R - L) * r["t"] / xmax, H - B - (H - B - T) * r["rss_kb"][pid] / 1024 / hi)
+               for r in rows if pid in r["rss_kb"]]
+        c = colours[k % len(colours)]
+        if len(pts) > 1:
+            d.line(pts, fill=c, width=3)
+        for x, y in pts:
+            d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=c)
+        d.line([W - 230, 18 + 12 * k, W - 205, 18 + 12 * k], fill=c, width=3)
+        d.text((W - 200, 12 + 12 * k), f"RSS, process {k + 1}", fill="black")
+    for i in range(0, 5):
+        x = L + (W - R - L) * i / 4
+        d.text((x - 10, H - B + 6), f"{xmax * i / 4 / 60:.0f}", fill="black")
+    d.text(((W - 40) // 2, H - 22), "minutes", fill="black")
+    img.save(path)
+    return path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split(
+        "\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=30.0, help="how long to serve (default 30)")
+    ap.add_argument("--every", type=float, default=60.0, help="seconds between samples (60)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-blocks", type=int, default=32, help="the pool (small: preemption)")
+    ap.add_argument("--flat", type=float, default=0.05, help="allowed RSS growth after warm-up")
+    ap.add_argument("--out", default=None, help="directory for soak.json, soak.md, soak.png")
+    args = ap.parse_args(argv)
+    if args.minutes <= 0 or args.every <= 0:
+        ap.error("--minutes and --every must be positive")
+    out = args.out or tempfile.mkdtemp(prefix="kvsan-soak-")
+    os.makedirs(out, exist_ok=True)
+    report = os.path.join(out, "report") + os.sep
+    os.makedirs(report, exist_ok=True)
+    from kvsan.harness import enginedrive as ed
+
+    env = ed.child_env(True, report)
+    env.pop("KVSAN_AUDIT_EVERY", None)  # staging's defaults: the idle audit only
+    spec = {"minutes": args.minutes, "every": args.every, "seed": args.seed,
+            "num_blocks": args.num_blocks, "work": out, "report": report}
+    rows: list[dict] = []
+
+    def on_line(line: str) -> None:
+        got = ed.read_marked(line, SAMPLE)
+        if got is None:
+            return
+        if "error" in got:
+            print(f"soak: {got['error']}", file=sys.stderr)
+            return
+        got["rss_kb"] = {int(k): v for k, v in got["rss_kb"].items()}
+        rows.append(got)
+        print(f"soak: {got['t'] / 60:5.1f} min  RSS {sum(got['rss_kb'].values()) / 1024:.0f} MiB  "
+              f"served {got['served']}  shadow entries {got['shadow_entries']}  "
+              f"violations {got['violations']}", flush=True)
+
+    print(f"soak: {args.minutes:g} min of mixed traffic on the tiny model, kvsan in log mode; "
+          f"output in {out}", flush=True)
+    import subprocess
+
+    with open(os.path.join(out, "engine.log"), "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "benchmarks.soak", "--child"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                text=True, env=env,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        proc.stdin.write(json.dumps(spec))
+        proc.stdin.close()
+        try:
+            for line in proc.stdout:
+                on_line(line)
+            rc = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+    v = verdict(rows, args.flat)
+    md = table(rows)
+    png = plot(rows, os.path.join(out, "soak.png"),
+               f"kvsan soak: {args.minutes:g} min, RSS over time") if rows else None
+    with open(os.path.join(out, "soak.json"), "w") as f:
+        json.dump({"args": vars(args), "rows": rows, "verdict": v, "exit": rc}, f)
+    with open(os.path.join(out, "soak.md"), "w") as f:
+        f.write(md + "\n")
+    print("\n" + md + "\n")
+    print(f"soak: {'HOLDS' if v['holds'] else 'FAILS'}: {v['why']}; plot {png}; "
+          f"record {os.path.join(out, 'soak.json')}")
+    return 0 if v["holds"] and rc == 0 else 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--child"]:
+        child(json.loads(sys.stdin.read()))
+    else:
+        sys.exit(main())
