@@ -529,3 +529,110 @@ def test_hostile_reports_are_refused_in_bounded_memory_and_time(tmp_path):
     inner = many / "kvsan-fifo.jsonl"
     os.mkfifo(inner)
     _check_bounded(str(many), "a FIFO")
+
+
+# ------------------------------------------------ the owners endpoint
+@pytest.fixture(scope="module")
+def keyed_server(tmp_path_factory):
+    """``vllm serve --api-key`` on the tiny model with kvsan and its
+    endpoint plugin (``VLLM_PLUGINS=kvsan``)."""
+    from benchmarks.owners_poll import Server
+
+    srv = Server(str(tmp_path_factory.mktemp("keyed")))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+#: what an owner row holds: ids, states, counts, seconds, steps -- no tokens
+OWNER_ROW = {"owner", "state", "live_blocks", "cached_live_blocks", "cached_evictable_blocks",
+             "held_s", "since_step", "leaked"}
+
+
+@pytest.mark.e2e
+def test_owners_endpoint_requires_the_servers_api_key(keyed_server):
+    """vLLM's middleware guards ``/v1`` only; ``/kvsan/owners`` checks the
+    same key itself, and ``kvsan owners`` sends it (``--api-key`` or
+    ``VLLM_API_KEY``)."""
+    from benchmarks.owners_poll import get
+
+    url, key = keyed_server.url, keyed_server.api_key
+    assert get(url, "/v1/models")[0] == 401  # vLLM's own rule ...
+    assert get(url, "/kvsan/owners") == (401, {"error": "Unauthorized"})  # ... and kvsan's
+    assert get(url, "/kvsan/owners", "not-the-key")[0] == 401
+    status, doc = get(url, "/kvsan/owners", key)
+    assert status == 200 and doc["engines"][0]["pool"]["num_blocks"] > 0
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}
+    cli = [sys.executable, "-m", "kvsan.cli", "owners", url]
+    refused = subprocess.run(cli, env=env, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "401" in refused.stderr and "--api-key" in refused.stderr
+    for how in ({"args": ["--api-key", key], "env": env},
+                {"args": [], "env": {**env, "VLLM_API_KEY": key}}):
+        ok = subprocess.run(cli + how["args"], env=how["env"], capture_output=True, text=True,
+                            timeout=60)
+        assert ok.returncode == 0 and "engine 0" in ok.stdout, ok.stderr
+
+
+@pytest.mark.e2e
+def test_owners_snapshots_are_shared_and_bounded(keyed_server):
+    """However many callers poll, the engine takes at most one snapshot per
+    second (``MIN_INTERVAL_S``): a burst of 40 concurrent GETs is answered
+    from one snapshot; 20 polls a second for 3 seconds from at most 4.  Each
+    answer is token-free."""
+    from benchmarks.owners_poll import Poller, get, load, model_of
+
+    from kvsan.hooks.vllm.owners import MIN_INTERVAL_S
+
+    url, key = keyed_server.url, keyed_server.api_key
+    model = model_of(url, key)
+    time.sleep(MIN_INTERVAL_S)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=40) as pool:
+        answers = list(pool.map(lambda _: get(url, "/kvsan/owners", key), range(40)))
+    assert {s for s, _ in answers} == {200}
+    assert len({d["engines"][0]["time"] for _, d in answers}) == 1
+    with Poller(url, key, 20.0) as p:
+        t0 = time.monotonic()
+        load(url, model, key, 16, 4, 32)  # traffic: rows to show
+        while time.monotonic() - t0 < 3.0:
+            time.sleep(0.05)
+        secs = time.monotonic() - t0
+    assert p.answers >= 20 * secs * 0.5, (p.answers, secs)
+    assert len(p.snapshots) <= secs / MIN_INTERVAL_S + 1, (len(p.snapshots), secs)
+    doc = get(url, "/kvsan/owners", key)[1]["engines"][0]
+    assert doc["owners"] and all(set(r) == OWNER_ROW for r in doc["owners"])
+
+
+@pytest.mark.e2e
+def test_the_polling_benchmark_runs_as_documented(keyed_server):
+    """docs/reliability.md's command against a running server (tiny sizes:
+    no figure is asserted, only that it measures both sides)."""
+    got = subprocess.run([sys.executable, "-m", "benchmarks.owners_poll", "--url",
+                          keyed_server.url, "--api-key", keyed_server.api_key,
+                          "--requests", "8", "--rounds", "1", "--rate", "20"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "no polling:" in got.stdout and "polled at 20/s:" in got.stdout
+    assert "ratio" in got.stdout
+
+
+def test_the_api_key_rule_is_vllms(monkeypatch):
+    """``--api-key`` (one or several) first, else ``VLLM_API_KEY``, as
+    vLLM's ``init_entrypoints_middleware``; checked in constant time against
+    the keys' digests."""
+    import hashlib
+    from argparse import Namespace
+
+    from kvsan.hooks.vllm.owners import api_tokens, authorized
+
+    monkeypatch.setenv("VLLM_API_KEY", "env-key")
+    assert api_tokens(Namespace(api_key=None)) == ["env-key"]
+    assert api_tokens(Namespace(api_key=["a", "b"])) == ["a", "b"]
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert api_tokens(Namespace(api_key=None)) == []
+    digests = [hashlib.sha256(k.encode()).digest() for k in ("a", "b")]
+    assert authorized(digests, "Bearer b") and authorized(digests, "bearer a")
+    assert not authorized(digests, "Bearer c") and not authorized(digests, None)
+    assert not authorized(digests, "Basic a") and authorized([], None)

@@ -57,8 +57,11 @@ def cmd_owners(args) -> int:
     try:
         doc = owners.fetch(args.url, timeout=args.timeout, api_key=args.api_key)
     except Exception as e:  # noqa: BLE001 - network/HTTP/JSON errors alike
-        print(f"kvsan owners: cannot fetch {args.url}{owners.ROUTE}: {e} (is the server "
-              "running with KVSAN=1 and VLLM_PLUGINS=kvsan?)", file=sys.stderr)
+        hint = ("the server was started with --api-key (or VLLM_API_KEY): pass the key with "
+                "--api-key or VLLM_API_KEY" if getattr(e, "code", None) == 401 else
+                "is the server running with KVSAN=1 and VLLM_PLUGINS=kvsan?")
+        print(f"kvsan owners: cannot fetch {args.url}{owners.ROUTE}: {e} ({hint})",
+              file=sys.stderr)
         return 2
     if args.json:
         json.dump(doc, sys.stdout, indent=1)
