@@ -326,6 +326,14 @@ def use_native(on: bool = True) -> bool:
     return NATIVE is not None and SHADOWFAST is not None and HOOKFAST is not None and checks
 
 
+def native_in_use() -> bool:
+    """Whether any of kvsan's C paths is in use in this process."""
+    from ..checks import identity, native
+
+    return any(m is not None for m in (NATIVE, SHADOWFAST, HOOKFAST, native.DEVICEFAST,
+                                       identity._links))
+
+
 #: (class, attribute name) -> (property, member descriptor or None): see
 #: :func:`property_slot`
 _PROPERTY_SLOTS: dict = {}

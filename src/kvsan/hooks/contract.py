@@ -52,6 +52,9 @@ class Result:
     #: adapters whose contract was checked and holds
     ok: list = field(default_factory=list)
     ms: float = 0.0
+    #: why kvsan's C paths are off in this process (the layouts they read,
+    #: :mod:`kvsan.hooks.vllm.layouts`): the Python paths run the same checks
+    native_off: list = field(default_factory=list)
 
     @property
     def holds(self) -> bool:
@@ -60,7 +63,8 @@ class Result:
     def summary(self) -> dict:
         return {"ok": self.holds, "adapters": self.ok, "mismatches": self.mismatches,
                 "checks_off": self.checks_off, "unchecked": self.unchecked,
-                "ms": round(self.ms, 2)}
+                "ms": round(self.ms, 2),
+                **({"native_off": self.native_off} if self.native_off else {})}
 
 
 def _split(spec: str) -> tuple[str, str]:

@@ -92,7 +92,7 @@ class Instrumentor:
         the patches' ``__wrapped__``)."""
         from ... import hooks
         from ...report import BEFORE_ABORT
-        from . import allocator, engine
+        from . import allocator, engine, layouts
 
         if engine.announce_end not in BEFORE_ABORT:
             BEFORE_ABORT.append(engine.announce_end)
@@ -100,6 +100,8 @@ class Instrumentor:
         done = Installed(ver, supported(ver))
         installed, missing = done.hooks, done.missing
         if rt.role != "worker":
+            # (before patching: the hooks made now are the C ones or not)
+            layouts.gate(rt, layouts.CONTRACT)
             got, lost = hooks.instrument(allocator.targets())
             installed += got
             missing += lost
@@ -147,10 +149,14 @@ class Instrumentor:
         mode and CUDA's single-process executor run the worker inside
         them."""
         from ... import hooks
-        from . import worker
+        from . import layouts, worker
+
+        def v1_targets():  # (the C paths checked against the V1 runner's layout first)
+            layouts.gate(rt, layouts.CONTRACT_WORKER)
+            return worker.targets()
 
         if rt.role != "worker":
-            _install_when_imported(rt, worker.targets, worker._V1)
+            _install_when_imported(rt, v1_targets, worker._V1)
             _install_when_imported(rt, worker.targets_v2, worker._V2)
             return
         if not worker.has_v1_runner():
@@ -160,7 +166,7 @@ class Instrumentor:
             installed.extend(got)
             missing.extend(lost)
             return
-        got, lost = hooks.instrument(worker.targets())
+        got, lost = hooks.instrument(v1_targets())
         installed.extend(got)
         missing.extend(lost)
         try:
@@ -207,6 +213,7 @@ class Instrumentor:
                                  f"is not imported here)")
         result = _contract.check(contracts)
         result.unchecked[:0] = unchecked
+        result.native_off = list(getattr(rt, "native_off", ()))
         rt.contract = result
         return result
 
