@@ -56,7 +56,8 @@ ENTRY = Entry(
     revert_how="derived (the immediate free)",
     harm_what="a new request given blocks a connector load still writes",
     trigger=trigger, revertable=ALL,
+    # (the condition is still evaluated, for its side effects on 0.34, and ignored)
     revert=source_revert("vllm.v1.core.sched.scheduler:Scheduler", "finish_requests", [
-        ("delay_free_blocks = (\n                    request.request_id not in "
-         "self.finished_recving_kv_req_ids\n                )", "delay_free_blocks = False")]),
+        ("                delay_free_blocks = (\n",
+         "                delay_free_blocks = False\n                _fixed_would_delay = (\n")]),
 )

@@ -5,6 +5,7 @@ it met its expectation."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import traceback
@@ -22,8 +23,41 @@ def _install(settings: dict):
     from kvsan import plugin
     from kvsan.config import Config
 
-    plugin.uninstall()
+    _off()
     return plugin.install(Config(enabled=True, log_events=False, **settings), role="engine")
+
+
+def _off() -> None:
+    """kvsan out of this process: its patches removed, no runtime (a runtime
+    made by the runner is closed; one that was here before is kept aside)."""
+    from kvsan import runtime as _rt
+    from kvsan.hooks.vllm import INSTRUMENTOR
+
+    rt = _rt.get()
+    INSTRUMENTOR.uninstrument()
+    if rt is not None and getattr(rt, "_realbugs", False):
+        rt.reporter.close()
+    _rt.set_runtime(None)
+
+
+@contextlib.contextmanager
+def kvsan_set_aside():
+    """Runs the block with kvsan switched on and off by the runner, and
+    puts back afterwards whatever kvsan this process had installed (a test
+    session's runtime, an engine's)."""
+    from kvsan import hooks
+    from kvsan import runtime as _rt
+    from kvsan.hooks.vllm import INSTRUMENTOR
+
+    prev = _rt.get()
+    try:
+        yield
+    finally:
+        _off()
+        if prev is not None:
+            _rt.set_runtime(prev)
+            prev.native = hooks.use_native(prev.config.native)
+            INSTRUMENTOR.instrument(prev, prev.config)
 
 
 def _violations(rt) -> list:
@@ -32,8 +66,6 @@ def _violations(rt) -> list:
 
 def run_entry(entry: Entry) -> dict:
     """One entry on the installed release: a JSON-able result line."""
-    from kvsan import plugin
-
     ver = vllm_version()
     row = {"id": entry.id, "upstream": entry.upstream, "release": ver,
            "harm": None, "expected_kinds": list(entry.expected_kinds), "kinds": [],
@@ -43,12 +75,13 @@ def run_entry(entry: Entry) -> dict:
            "ok": False, "verdict": "", "error": None}
     t0 = time.perf_counter()
     try:
-        plugin.uninstall()
-        with entry.buggy():
-            off = _trial(entry, None, True)
-        row["harm"] = off.harm
-        rt = _install(entry.config)
-        try:
+        with kvsan_set_aside():
+            _off()
+            with entry.buggy():
+                off = _trial(entry, None, True)
+            row["harm"] = off.harm
+            rt = _install(entry.config)
+            rt._realbugs = True
             with entry.buggy():
                 on = _trial(entry, rt, True)
             got = _violations(rt)
@@ -56,8 +89,7 @@ def run_entry(entry: Entry) -> dict:
             with entry.fixed():
                 ctl = _trial(entry, rt, False)
             ctl_got = _violations(rt)
-        finally:
-            plugin.uninstall()
+            row["kvsan_errors"] = rt.reporter.internal_errors
     except Exception as e:  # noqa: BLE001 - one entry's failure is its row's
         row["error"] = f"{type(e).__name__}: {e}"
         row["traceback"] = traceback.format_exc(limit=6)
@@ -97,6 +129,9 @@ def run_entry(entry: Entry) -> dict:
         row["verdict"] += "; harm on the fixed code"
     if ctl_got:
         row["verdict"] += f"; control reported {row['control_kinds']}"
+    if row["kvsan_errors"]:
+        row["ok"] = False
+        row["verdict"] += f"; kvsan counted {row['kvsan_errors']} error(s) of its own"
     row["seconds"] = round(time.perf_counter() - t0, 2)
     return row
 

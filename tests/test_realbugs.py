@@ -1,0 +1,87 @@
+"""The real-bug corpus (benchmarks/realbugs, docs/realbugs.md): its fast
+scheduler-level entries run through the corpus's own runner on the
+installed vLLM, each with its harm shown with kvsan off, kvsan's verdict
+(kind, block, steps to detect) and its control on the fixed code; and the
+interface other tools use to switch a bug on (``ENTRIES``, ``buggy()``)."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.engine
+
+
+def run(entry_id):
+    from benchmarks.realbugs import ENTRIES
+    from benchmarks.realbugs.runner import run_entry
+
+    row = run_entry(ENTRIES[entry_id])
+    assert row["error"] is None, row.get("traceback")
+    return row
+
+
+@pytest.mark.parametrize("entry_id, kind", [
+    ("lora-name-key", "cache_key_mismatch"),
+    ("lora-salt-collision", "cache_key_mismatch"),
+    ("session-stale-hashes", "cache_key_mismatch"),
+    ("negative-block-count", "free_queue_corruption"),
+])
+def test_a_real_bug_is_caught_where_it_happens_and_its_fix_is_clean(entry_id, kind):
+    row = run(entry_id)
+    assert row["harm"]  # the bug did its harm with kvsan off
+    assert row["detected"] and row["block_named"] and kind in row["kinds"]
+    assert row["steps_to_detect"] in (0, 1)
+    assert row["control_violations"] == 0 and row["control_harm"] is None
+    assert row["kvsan_errors"] == 0 and row["ok"], row["verdict"]
+
+
+def test_the_negative_control_is_silent_on_the_buggy_code():
+    row = run("stale-partial-hash")
+    assert row["harm"] and row["kinds"] == [] and row["control_violations"] == 0
+    assert row["ok"], row["verdict"]
+
+
+def test_a_recorded_miss_still_shows_its_harm_and_a_clean_control():
+    from benchmarks.realbugs import ENTRIES
+
+    assert ENTRIES["delayed-free-idle"].expect == "missed"
+    assert ENTRIES["delayed-free-idle"].miss_reason
+    row = run("delayed-free-idle")
+    assert row["harm"] and not row["detected"] and row["control_violations"] == 0
+    assert row["ok"] and row["verdict"] == "MISSED"
+
+
+def test_the_session_runtime_is_back_after_the_runner(kvsan_rt):
+    from kvsan import runtime as _rt
+
+    run("lora-name-key")
+    assert _rt.get() is kvsan_rt
+
+
+def test_the_interface_switches_a_bug_on_and_restores_vllm():
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from benchmarks.realbugs import ENTRIES
+    from benchmarks.realbugs.base import vllm_version
+
+    for e in ENTRIES.values():
+        assert e.level in ("scheduler", "engine") and e.upstream and e.releases
+        assert e.kind_class and isinstance(e.expected_kinds, list)
+        assert e.expect in ("detected", "missed", "none")
+        assert e.expect != "missed" or e.miss_reason
+    e = ENTRIES["async-consumer-free"]
+    assert e.applies_to(vllm_version()) and not e.carries(vllm_version())
+    before = Scheduler.__dict__["_request_blocks_can_be_freed"]
+    with e.buggy():
+        assert Scheduler.__dict__["_request_blocks_can_be_freed"] is not before
+    assert Scheduler.__dict__["_request_blocks_can_be_freed"] is before
+
+
+def test_the_command_refuses_an_unknown_entry(capsys):
+    from benchmarks.realbugs.__main__ import main
+
+    assert main(["no-such-bug"]) == 2
+    assert "unknown entry id(s) ['no-such-bug']; known:" in capsys.readouterr().err
