@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from . import completeness
+from . import completeness, reportfile
 
 MARKER = "kvsan_expect"
 
@@ -140,6 +140,8 @@ class Gate:
         self.unexpected: list[dict] = []
         self.expected: list[dict] = []
         self.bad_report: str | None = None
+        #: torn records and records kvsan could not write (``kvsan check``'s rule)
+        self.read_stats = reportfile.ReadStats()
 
     # -- reading ------------------------------------------------------------
     def poll(self) -> None:
@@ -161,9 +163,13 @@ class Gate:
                     continue
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
-                    self.bad_report = f"{fname}: a line is not JSON ({line[:60]!r})"
+                except json.JSONDecodeError as e:
+                    if reportfile.is_torn(line, e):  # (as kvsan check counts it)
+                        self.read_stats.torn.append((fname, lineno))
+                    else:
+                        self.bad_report = f"{fname}: a line is not JSON ({line[:60]!r})"
                     continue
+                self.read_stats.note(rec)
                 if rec.get("event") == "kvsan.installed":
                     self.processes.add((rec.get("role"), rec.get("pid")))
                 if rec.get("record") == "violation":
@@ -274,9 +280,17 @@ class Gate:
         ``kvsan check`` reads them (the violations a runtime in this process
         kept without writing them to the reports count too: kvsan ran)."""
         opt = self.config.getoption
-        return completeness.problems(self.events + self.records,
-                                     allow_empty=opt("--kvsan-allow-empty"),
-                                     allow_unclosed=opt("--kvsan-allow-unclosed"))
+        found = completeness.problems(self.events + self.records,
+                                      allow_empty=opt("--kvsan-allow-empty"),
+                                      allow_unclosed=opt("--kvsan-allow-unclosed"))
+        from . import runtime as _rt
+
+        rt = _rt.get()
+        unwritten = rt.reporter.records_lost if rt is not None else 0
+        key = (rt.role, rt.pid) if rt is not None else None
+        if unwritten > self.read_stats.lost.get(key, (0, {}))[0]:  # (no note could say so yet)
+            self.read_stats.lost[key] = (unwritten, dict(rt.reporter._sink.lost))
+        return found + [completeness.Problem("lost", m) for m in self.read_stats.problems()]
 
     def pytest_terminal_summary(self, terminalreporter):
         tr = terminalreporter

@@ -139,13 +139,14 @@ def _depth_ok(line: bytes) -> bool:
     return True
 
 
-def _torn(raw: bytes, text: str, err: json.JSONDecodeError) -> bool:
+def is_torn(raw: bytes, err: json.JSONDecodeError) -> bool:
     """A kvsan record cut off: it starts as one, and its JSON stops where the
     line does (an open string, or a value, delimiter or literal that the end
-    of the line cut), not at a wrong character in the middle."""
+    of the line cut), not at a wrong character in the middle.  ``err``: what
+    ``json.loads`` said of the line."""
     if not raw.startswith(RECORD_PREFIX):
         return False
-    body = text.rstrip("\r\n")
+    body = raw.decode("utf-8", "replace").rstrip("\r\n")
     if err.pos >= len(body) or err.msg.startswith("Unterminated string"):
         return True
     rest = body[err.pos:]
@@ -185,7 +186,7 @@ def iter_file(fname: str, stats: ReadStats | None = None) -> Iterator[dict]:
             try:
                 rec = json.loads(text)
             except json.JSONDecodeError as e:
-                if stats is not None and _torn(raw, text, e):
+                if stats is not None and is_torn(raw, e):
                     stats.torn.append((fname, lineno))
                     continue
                 raise ReportError(f"{fname}:{lineno}: not a JSON line ({e.msg})") from None
