@@ -519,6 +519,40 @@ def uninstrument(targets: list[Target] | None = None) -> None:
             del _patched[i]
 
 
+#: (module name, hook) of every post-import hook kvsan registered and that
+#: has not run yet: :func:`forget_import_hooks` removes them
+_IMPORT_HOOKS: list = []
+
+
+def when_imported(hook, module: str) -> None:
+    """Call ``hook(module)`` when ``module`` is imported, at once if it is
+    (wrapt's post-import hooks; the only way kvsan registers one, so that
+    :func:`forget_import_hooks` can take them all back)."""
+    if sys.modules.get(module) is None:
+        _IMPORT_HOOKS.append((module, hook))
+    wrapt.register_post_import_hook(hook, module)
+
+
+def forget_import_hooks() -> None:
+    """Remove every post-import hook :func:`when_imported` registered that
+    has not run (wrapt has no call for it: its registry, under its lock)."""
+    from wrapt import importer
+
+    lock = getattr(importer, "_post_import_hooks_lock", None)
+    registry = getattr(importer, "_post_import_hooks", None)
+    if lock is None or not isinstance(registry, dict):
+        _IMPORT_HOOKS.clear()
+        return
+    with lock:
+        while _IMPORT_HOOKS:
+            module, hook = _IMPORT_HOOKS.pop()
+            pending = registry.get(module)
+            if pending and hook in pending:
+                pending.remove(hook)
+                if not pending:
+                    del registry[module]
+
+
 def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> dict:
     """The leading parameters of a hooked call by name, whether vLLM passed
     them positionally or as keywords (read-only: an all-keyword call, vLLM's

@@ -103,7 +103,9 @@ def _code_names(cls, memo: dict) -> set:
         if klass is object:
             continue
         names.update(klass.__dict__)
-        names.update(getattr(klass, "__annotations__", {}) or {})
+        # (from the class dict: reading ``klass.__annotations__`` would add an
+        # empty one to a class that has none, changing vLLM's class)
+        names.update(klass.__dict__.get("__annotations__", {}) or {})
         slots = klass.__dict__.get("__slots__", ())
         names.update((slots,) if isinstance(slots, str) else slots)
         for v in klass.__dict__.values():

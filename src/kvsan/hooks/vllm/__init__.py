@@ -129,10 +129,11 @@ class Instrumentor:
         """Restore every method kvsan patched in vLLM."""
         from ... import hooks
         from ...report import BEFORE_ABORT
-        from . import engine, identity, owners, quarantine, weights
+        from . import engine, faults, identity, owners, quarantine, weights
 
         if engine.announce_end in BEFORE_ABORT:
             BEFORE_ABORT.remove(engine.announce_end)
+        faults.clear()  # (KVSAN_INJECT's fault: patched by kvsan, so removed with it)
         quarantine.uninstall()
         weights.uninstall()
         identity.uninstall()
@@ -140,6 +141,7 @@ class Instrumentor:
         if worker is not None:
             worker.forget_runner()
         hooks.uninstrument()
+        hooks.forget_import_hooks()
         owners.uninstall_engine_method()
 
     @staticmethod
@@ -180,12 +182,10 @@ class Instrumentor:
     def _install_owners_utility() -> None:
         """``EngineCore.kvsan_owners`` (``kvsan owners``), added when (if)
         this process imports the EngineCore."""
-        import wrapt
-
+        from ... import hooks
         from . import owners
 
-        wrapt.register_post_import_hook(lambda _m: owners.install_engine_method(),
-                                        owners._ENGINE_CORE[0])
+        hooks.when_imported(lambda _m: owners.install_engine_method(), owners._ENGINE_CORE[0])
 
     @staticmethod
     def _check_contract(rt, cfg) -> _contract.Result:
@@ -245,8 +245,6 @@ def _install_when_imported(rt, targets, module: str) -> None:
     """Hooks on a module this process may import later, or never (a model
     runner outside a worker process, a feature's module): patched when it
     is imported (at once if it already is), never reported missing."""
-    import wrapt
-
     from ... import hooks
     from ... import runtime as _rt
 
@@ -256,7 +254,7 @@ def _install_when_imported(rt, targets, module: str) -> None:
         got, _ = hooks.instrument(targets())
         rt.hooks_installed.extend(g for g in got if g not in rt.hooks_installed)
 
-    wrapt.register_post_import_hook(patch, module)
+    hooks.when_imported(patch, module)
 
 
 #: vLLM's comma-separated lists of what its Ray paths copy to the actors

@@ -236,7 +236,9 @@ def inject(name: str, only: str | None = None) -> None:
 
     if name in WORKER_FAULTS:  # where (if) this process imports the runner: outside kvsan's hooks
         _active.append((None, None, None))
-        wrapt.register_post_import_hook(lambda mod: patch(mod) if _active else None, module)
+        from ... import hooks
+
+        hooks.when_imported(lambda mod: patch(mod) if _active else None, module)
         return
     patch(importlib.import_module(module))
 
