@@ -1,5 +1,5 @@
 # The two commands of the README.  Both do all set-up on a fresh machine.
-.PHONY: demo test setup bench upstream-tests setup-3.12 test-3.12 test-3.12-fast
+.PHONY: demo test setup bench soak upstream-tests setup-3.12 test-3.12 test-3.12-fast
 
 setup:
 	./scripts/setup.sh
@@ -49,6 +49,14 @@ test-3.12-fast: setup-3.12
 # 2 cores; writes benchmarks/results.md (method: docs/performance.md)
 bench: setup
 	.venv/bin/python -m benchmarks
+
+# kvsan's memory over a long run (benchmarks/soak.py): 30 minutes of mixed
+# traffic on the real engine (shared prefixes, cancels, preemption, LoRA,
+# salts), log mode, a sample every 60 s; holds when every process's memory
+# is flat after warm-up (<= 5% over the last 20 minutes) and nothing is
+# reported.  Table, record and PNG in .kvsan-cache/soak/
+soak: setup
+	.venv/bin/python -m benchmarks.soak --minutes 30 --out .kvsan-cache/soak
 
 # vLLM's own tests/v1/core from its pinned source archive, run without and with
 # kvsan (KVSAN_MODE=raise) against an installed engine; prints and writes
