@@ -7,6 +7,8 @@ The violations are real: a double release on vLLM's real ``BlockPool`` /
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -222,3 +224,36 @@ def test_ci_example_runs_the_suite_with_the_gate():
     steps = [s.get("run", "") for j in job["jobs"].values() for s in j["steps"]]
     assert any("pytest --kvsan" in r for r in steps)
     assert any("kvsan check" in r for r in steps)
+
+
+def test_records_kvsan_could_not_write_fail_the_gate(inner):
+    """A report that says records were lost (``kvsan.records_lost``) or holds
+    a torn record fails the gate, as ``kvsan check`` exits 2 on it: an
+    engine's report otherwise complete (installed, pool, idle)."""
+    inner.makepyfile(test_lost="""
+        import json, os
+
+        def test_an_engine_whose_disk_filled():
+            d = os.environ["KVSAN_REPORT"]
+            base = {"role": "engine", "pid": 4242, "engine": 0, "rank": 0, "schema": 1}
+            recs = [dict(record="event", event="kvsan.installed", **base),
+                    dict(record="event", event="kvsan.pool", **base),
+                    dict(record="event", event="kvsan.busy", step=1, **base),
+                    dict(record="event", event="kvsan.records_lost", lost=3,
+                         by_reason={"disk_full": 3}, **base),
+                    dict(record="event", event="kvsan.idle", step=9, records_lost=3, **base)]
+            lines = [json.dumps(r, separators=(",", ":")) for r in recs]  # (as kvsan writes)
+            lines.insert(3, lines[2][:25])  # a record the full disk cut off
+            with open(os.path.join(d, "kvsan-engine-4242.jsonl"), "w") as f:
+                f.write("\\n".join(lines) + "\\n")
+    """)
+    got = run(inner, "--kvsan")
+    out = got.stdout.str()
+    assert got.ret == 1, out
+    assert "3 record(s) could not be written (3 disk_full" in out, out
+    assert "1 torn record(s)" in out, out
+    report = next(line.split("reports: ")[1].strip() for line in out.splitlines()
+                  if "reports: " in line)
+    check = subprocess.run([sys.executable, "-m", "kvsan.cli", "check", report],
+                           capture_output=True, text=True)
+    assert check.returncode == 2 and "3 record(s) could not be written" in check.stderr
