@@ -115,8 +115,7 @@ class Instrumentor:
                 from . import quarantine
 
                 if quarantine._patched:  # (a forked child: patched in the parent)
-                    installed.extend(f"quarantine:{c.__name__}.{a}"
-                                     for c, a, _ in quarantine._patched)
+                    installed.extend(f"quarantine:{t.qualname}" for t in quarantine._patched)
                 else:
                     installed.extend(quarantine.install(cfg))
         self._install_device_hooks(rt, installed, missing)

@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import weakref
 
-import wrapt
-
 from ... import runtime as _rt
+from .. import Target
 from .. import guard as _guard
 from ..contract import Contract
 
 OWNER = "pin:kvsan-quarantine"
 _held: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> {block: release step}
-_patched: list = []
+_patched: list = []  # the targets patched (Target)
 _releasing: list = []  # non-empty while quarantine hands blocks back
 
 
@@ -139,28 +138,39 @@ def _to_head(pool, blocks) -> None:
         q.prepend_n(cached)
 
 
-def install(cfg) -> list[str]:
-    from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.sched.scheduler import Scheduler
+_BP = "vllm.v1.core.block_pool"
+_SCHED = "vllm.v1.core.sched.scheduler"
 
+
+def targets(cfg) -> list[Target]:
+    """What ``cfg`` patches: quarantine's three methods, pressure's one, or
+    none."""
     if cfg.quarantine:
-        targets = [(BlockPool, "free_blocks", _quarantine_free(cfg.quarantine)),
-                   (Scheduler, "schedule", _schedule),
-                   (BlockPool, "reset_prefix_cache", _reset)]
-    elif cfg.pressure:
-        targets = [(BlockPool, "free_blocks", _pressure_free)]
-    else:
-        return []
-    for cls, attr, wrapper in targets:
-        _patched.append((cls, attr, cls.__dict__[attr]))
-        wrapt.wrap_function_wrapper(cls, attr, wrapper)
-    return [f"quarantine:{cls.__name__}.{attr}" for cls, attr, _ in targets]
+        return [Target(_BP, "BlockPool.free_blocks", _quarantine_free(cfg.quarantine)),
+                Target(_SCHED, "Scheduler.schedule", _schedule),
+                Target(_BP, "BlockPool.reset_prefix_cache", _reset)]
+    if cfg.pressure:
+        return [Target(_BP, "BlockPool.free_blocks", _pressure_free)]
+    return []
+
+
+def install(cfg) -> list[str]:
+    """Patch through kvsan's one patcher (:func:`kvsan.hooks.instrument`),
+    after the allocator hooks: the later patch is the outer one."""
+    from ... import hooks
+
+    wanted = targets(cfg)
+    hooks.instrument(wanted)
+    _patched[:] = wanted
+    return [f"quarantine:{t.qualname}" for t in wanted]
 
 
 def uninstall() -> None:
-    while _patched:
-        cls, attr, original = _patched.pop()
-        setattr(cls, attr, original)
+    from ... import hooks
+
+    if _patched:
+        hooks.uninstrument(list(_patched))
+        _patched.clear()
 
 
 #: what quarantine (``KVSAN_QUARANTINE``) and pressure (``KVSAN_PRESSURE``)
