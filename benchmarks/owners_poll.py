@@ -160,35 +160,43 @@ def load(url: str, model: str, api_key: str | None, n: int, concurrency: int,
 
 
 class Poller:
-    """``rate`` GETs of ``/kvsan/owners`` per second, in a thread, until
-    stopped; counts answers and the distinct snapshots they carried."""
+    """``rate`` GETs of ``/kvsan/owners`` per second until stopped, from
+    ``clients`` threads (each ``rate / clients`` a second, staggered: a slow
+    answer does not lower the rate); counts answers and the distinct engine
+    snapshots they carried."""
 
-    def __init__(self, url: str, api_key: str | None, rate: float):
+    def __init__(self, url: str, api_key: str | None, rate: float, clients: int = 4):
         self.url, self.api_key, self.rate = url, api_key, rate
         self.answers = 0
         self.snapshots: set = set()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._threads = [threading.Thread(target=self._run, args=(i, clients), daemon=True)
+                         for i in range(clients)]
 
-    def _run(self):
-        period = 1.0 / self.rate
-        nxt = time.monotonic()
+    def _run(self, i: int, clients: int):
+        period = clients / self.rate
+        nxt = time.monotonic() + i * period / clients
+        self._stop.wait(max(0.0, nxt - time.monotonic()))
         while not self._stop.is_set():
             status, doc = get(self.url, "/kvsan/owners", self.api_key)
             if status == 200:
-                self.answers += 1
-                self.snapshots.add(tuple((e.get("pid"), e.get("time"))
-                                         for e in doc["engines"]))
+                with self._lock:
+                    self.answers += 1
+                    self.snapshots.add(tuple((e.get("pid"), e.get("time"))
+                                             for e in doc["engines"]))
             nxt += period
             self._stop.wait(max(0.0, nxt - time.monotonic()))
 
     def __enter__(self):
-        self._thread.start()
+        for t in self._threads:
+            t.start()
         return self
 
     def __exit__(self, *exc):
         self._stop.set()
-        self._thread.join(30)
+        for t in self._threads:
+            t.join(30)
 
 
 def measure(url: str, api_key: str | None, requests: int, concurrency: int,

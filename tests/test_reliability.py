@@ -398,6 +398,33 @@ def test_stalled_report_write_does_not_stall_the_step(kvsan_rt, baseline, fault,
     assert slowest < reportsink.STALL_S + 5.0, slowest
 
 
+def test_abort_on_a_stalled_report_ends_within_its_bound(tmp_path):
+    """``KVSAN_MODE=abort`` while the report cannot be written (a FIFO no
+    process ever opens: the writer's open blocks, as on a hung mount): the
+    violation still ends the process with 87, after waiting for its record
+    at most ``STALL_S`` and at close ``CLOSE_S``; stderr says how many
+    records were not written."""
+    from kvsan import reportsink
+    from kvsan.config import ABORT_EXIT_CODE
+
+    fifo = str(tmp_path / "hung.jsonl")
+    os.mkfifo(fifo)
+    code = f"""
+from kvsan.config import Config
+from kvsan.report import Reporter, Violation
+rep = Reporter(Config(enabled=True, report={fifo!r}, log_events=False, mode="abort"), "engine")
+rep.emit(Violation("double_release", "m", [3], ["A"], actor="A"))
+"""
+    t0 = time.monotonic()
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    took = time.monotonic() - t0
+    assert got.returncode == ABORT_EXIT_CODE, got.stderr
+    assert "aborting on double_release" in got.stderr
+    assert "1 record(s) still queued for a stalled report write" in got.stderr, got.stderr
+    assert took < reportsink.STALL_S + reportsink.CLOSE_S + 20, took
+
+
 # ------------------------------------------------ metrics
 @pytest.mark.own_errors
 def test_metrics_port_taken(kvsan_rt, capfd):

@@ -111,7 +111,7 @@ class _Writer:
                     break
                 self.cond.wait(left)
         if self.stalled:
-            self.sink._announce("stalled", f"a report write has not finished after {wait:g} s "
+            self.sink._announce("stall", f"a report write has not finished after {wait:g} s "
                                 "(a stalled disk?); records now queue without waiting for it")
         return True
 
@@ -203,7 +203,7 @@ class JsonlSink:
         left = self.flush(timeout)
         if left:
             self._lose("stalled", f"{left} record(s) still queued for a stalled report "
-                                  f"write after {timeout:g} s at close", n=left)
+                                  f"write after {timeout:g} s at close", n=left, say="close")
 
     def forget_inherited(self) -> None:
         """In a forked child: never hand records to the parent's writer
@@ -279,21 +279,23 @@ class JsonlSink:
                        **self.stamp(), "lost": lost, "by_reason": dict(self.lost)})
 
     # -- losses -----------------------------------------------------------------
-    def _lose(self, reason: str, why: str, n: int = 1) -> None:
+    def _lose(self, reason: str, why: str, n: int = 1, say: str | None = None) -> None:
+        """Count ``n`` records lost for ``reason``; say ``why`` once per
+        ``say`` (default: the reason) and process."""
         self.lost[reason] += n
         if self.on_loss is not None:
             try:
                 self.on_loss(reason, n)
             except Exception:  # noqa: BLE001 - the metric must not stop the count
                 pass
-        self._announce(reason, why)
+        self._announce(say or reason, why)
 
-    def _announce(self, reason: str, why: str) -> None:
-        """One stderr line per reason and process: what failed, and that
-        serving goes on."""
-        if reason in self._announced:
+    def _announce(self, key: str, why: str) -> None:
+        """One stderr line per ``key`` (a reason, a stall, the close) and
+        process: what failed, and that serving goes on."""
+        if key in self._announced:
             return
-        self._announced.add(reason)
+        self._announced.add(key)
         try:
             sys.stderr.write(f"kvsan: report {self.path!r} ({self.role}, pid {os.getpid()}): "
                              f"{why}; the engine keeps serving, records not written are "
