@@ -25,6 +25,8 @@ MODULES = [
     "r07_swa_optimistic_free",
     "r08_abort_during_async_load",
     "r09_spec_async_load_deadlock",
+    "r10_lora_inplace_reload",
+    "r11_lora_request_identity",
     "n01_stale_partial_hash",
 ]
 
