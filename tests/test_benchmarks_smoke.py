@@ -187,7 +187,7 @@ def test_aa_spread(monkeypatch):
 def _soak_rows(rss: list[int], violations: int = 0) -> list[dict]:
     return [{"t": 60.0 * i, "rss_kb": {11: kb, 12: 1000}, "served": 10 * i, "cancelled": i,
              "preempted": i, "tokens": 100 * i, "requests": 12 * i, "steps": 50 * i,
-             "running": 4, "shadow_entries": 300, "owners": 5, "sites": 9, "journal": 1,
+             "running": 4, "shadow_entries": 300, "recent_ends": 10 * i, "owners": 5, "sites": 9, "journal": 1,
              "identity": 5, "report_bytes": 4096, "violations": violations if i else 0,
              "own_errors": 0} for i, kb in enumerate(rss)]
 
@@ -208,6 +208,6 @@ def test_soak_verdict_table_and_plot(tmp_path):
     assert not dirty["holds"] and dirty["why"] == "2 violation(s)"
     assert not soak.verdict(_soak_rows([1_000_000] * 2))["holds"]  # too short to judge
     md = soak.table(flat)
-    assert md.count("\n") == len(flat) + 1 and "| 5.0 | 1021 / 1 |" in md
+    assert md.count("\n") == len(flat) + 1 and "| 5.0 | 1021 / 1 | 300 | 50 |" in md
     png = soak.plot(flat, str(tmp_path / "soak.png"), "t")
     assert png is None or os.path.getsize(png) > 1000
