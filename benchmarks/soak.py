@@ -199,6 +199,11 @@ def _kvsan_sizes(rt, report_dir: str | None) -> dict:
     }
 
 
+#: the sizes of a run without kvsan (``--off``: the baseline)
+_NO_KVSAN = {"shadow_entries": 0, "recent_ends": 0, "owners": 0, "sites": 0, "journal": 0,
+             "identity": 0, "report_bytes": 0, "violations": 0, "own_errors": 0, "detail": {}}
+
+
 def child(spec: dict) -> None:
     from vllm import LLM
 
@@ -211,8 +216,9 @@ def child(spec: dict) -> None:
               max_loras=2)
     llm = LLM(**kw)
     rt = kvsan.current_runtime()
-    if rt is None:
-        print(SAMPLE + json.dumps({"error": "kvsan is not loaded in the engine"}), flush=True)
+    if (rt is None) == spec["kvsan"]:
+        print(SAMPLE + json.dumps({"error": "kvsan is " + ("not " if spec["kvsan"] else "")
+                                   + "loaded in the engine"}), flush=True)
         return
     tr = Traffic(llm, spec["seed"], spec["work"])
     sched = llm.llm_engine.engine_core.engine_core.scheduler
@@ -223,12 +229,13 @@ def child(spec: dict) -> None:
     while True:
         now = time.time()
         if now >= due:
-            ck = next(iter(rt.checkers.values()), None)
+            ck = next(iter(rt.checkers.values()), None) if rt is not None else None
             preempted = ck.counters["preempted"] if ck is not None else preempted0
             row = {"t": round(now - t0, 1), "rss_kb": _rss_tree(os.getpid()),
                    "served": tr.served, "cancelled": tr.cancelled, "requests": tr.count,
                    "tokens": tr.tokens, "steps": tr.steps, "preempted": preempted,
-                   "running": len(sched.running), **_kvsan_sizes(rt, spec["report"])}
+                   "running": len(sched.running), **(_kvsan_sizes(rt, spec["report"])
+                                                        if rt is not None else _NO_KVSAN)}
             print(SAMPLE + json.dumps(row), flush=True)
             due += every
             if now >= end:
@@ -337,6 +344,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-blocks", type=int, default=32, help="the pool (small: preemption)")
     ap.add_argument("--flat", type=float, default=0.05, help="allowed RSS growth after warm-up")
     ap.add_argument("--out", default=None, help="directory for soak.json, soak.md, soak.png")
+    ap.add_argument("--off", action="store_true",
+                    help="the same traffic without kvsan (the baseline's memory and throughput)")
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.every <= 0:
         ap.error("--minutes and --every must be positive")
@@ -346,10 +355,11 @@ def main(argv=None) -> int:
     os.makedirs(report, exist_ok=True)
     from kvsan.harness import enginedrive as ed
 
-    env = ed.child_env(True, report)
+    env = ed.child_env(not args.off, report)
     env.pop("KVSAN_AUDIT_EVERY", None)  # staging's defaults: the idle audit only
     spec = {"minutes": args.minutes, "every": args.every, "seed": args.seed,
-            "num_blocks": args.num_blocks, "work": out, "report": report}
+            "num_blocks": args.num_blocks, "work": out, "report": report,
+            "kvsan": not args.off}
     rows: list[dict] = []
 
     def on_line(line: str) -> None:
@@ -365,8 +375,8 @@ def main(argv=None) -> int:
               f"served {got['served']}  shadow entries {got['shadow_entries']}  "
               f"violations {got['violations']}", flush=True)
 
-    print(f"soak: {args.minutes:g} min of mixed traffic on the tiny model, kvsan in log mode; "
-          f"output in {out}", flush=True)
+    print(f"soak: {args.minutes:g} min of mixed traffic on the tiny model, "
+          f"{'kvsan off' if args.off else 'kvsan in log mode'}; output in {out}", flush=True)
     import subprocess
 
     with open(os.path.join(out, "engine.log"), "w") as log:

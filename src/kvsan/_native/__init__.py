@@ -10,38 +10,43 @@ is loaded when ``KVSAN_NATIVE=0`` (:func:`kvsan.hooks.use_native`,
 :func:`kvsan.checks.native.load` are the only loaders) or where it was not
 built (another Python, no compiler): kvsan then runs the Python paths.
 
-=================================  ===========================================
-native (``kvsan._native.<mod>``)   Python reference it twins
-=================================  ===========================================
-``_frames.context``, ``site``      ``kvsan.hooks.engine_frame``,
-                                   ``owner_from_frames``, ``site_of``
-``_shadowfast.Table.allocate``,    ``kvsan.checks.allocator.AllocatorChecker``
-``share``, ``release``,            ``.on_allocate``, ``on_share``,
-``uncache``, ``cache``, ``settle`` ``on_release``, ``on_cached`` (clean case)
-``_shadowfast.Table.read_pool``    the full audit's pool read
-                                   (``kvsan.hooks.vllm.allocator``)
-``_shadowfast.Table.identity_*``   ``kvsan.checks.identity`` producer records
-                                   and hit checks (clean case)
-``_shadowfast.HeldMap``, ``Hold``  ``kvsan.shadow.HeldMap``, ``Hold``
-``_tokenlinks.links``,             ``kvsan.checks.identity.RequestIdentity``
-``extend_text``, ``known_chain``,  ``.extend`` (the token chain), and its
-``reap``, ``Links``                chain bookkeeping
-``_devicefast.guard``,             ``kvsan.checks.device.guard`` (write guard)
-``guard_step``                     and ``kvsan.hooks.vllm.worker._guard_step``
-``_devicefast.checksums``          ``kvsan.checks.device.checksums`` (torch)
-``_devicefast.check_rows``         ``kvsan.hooks.vllm.inputs`` row check
-``_devicefast.release_held``       ``kvsan.hooks.vllm.worker.forget_runner``
-``_hookfast.Hook`` (ALLOCATE,      the Python hooks of
-TOUCH, RELEASE, CACHE, HITS, END,  ``kvsan.hooks.vllm.allocator`` /
-PREEMPT, FINISH, SKIP, SCHED,      ``identity`` / ``worker`` it replaces
-UPDATE, STEP, GUARD)               (``Target.fast`` names each one's pair)
-=================================  ===========================================
+===============================  ===============================================
+native (``kvsan._native.``)      the Python reference it twins
+===============================  ===============================================
+``_frames.context``, ``site``    ``kvsan.hooks.engine_frame``,
+                                 ``owner_from_frames``, ``site_of``
+``_shadowfast.Table.allocate``   ``checks.allocator.AllocatorChecker.on_allocate``
+``Table.share``                  ``AllocatorChecker.on_share``
+``Table.snapshot``, ``release``  ``hooks.vllm.allocator._release_obs``,
+                                 ``AllocatorChecker.on_release``
+``Table.cache``, ``uncache``     ``AllocatorChecker.on_cached``, ``on_uncached``
+``Table.settle``                 (the counts C keeps, added to the checker's)
+``Table.read_pool``              ``hooks.vllm.allocator.pool_view``
+``Table.identity_record``,       ``checks.identity.IdentityAudit.on_cached``,
+``identity_hits``                ``on_hits`` (the clean records and hits)
+``_shadowfast.HeldMap``,         ``kvsan.shadow.PyHeldMap``, ``PyHold``
+``Hold``
+``_tokenlinks.links``,           ``checks.identity.RequestIdentity.extend``
+``extend_text``, ``Links``       (the token chain) and its ``tok`` list
+``_tokenlinks.known_chain``,     ``hooks.vllm.identity``'s chains of known
+``reap``                         requests and their weak-reference callback
+``_devicefast.guard``            ``checks.device.guard`` (``DeviceChecker.guard``)
+``_devicefast.guard_step``       ``hooks.vllm.worker._guard_step``'s Python route
+``_devicefast.checksums``        ``DeviceChecker.checksums`` (the torch path)
+``_devicefast.check_rows``       ``checks.device.rows``'s ``check_rows``
+``_hookfast.Hook`` (ALLOCATE,    the trampoline and Python hook of the same
+TOUCH, RELEASE, CACHE, HITS,     method in ``hooks.vllm.allocator``,
+END, PREEMPT, FINISH, SKIP,      ``identity`` or ``worker``; ``Target.fast``
+SCHED, UPDATE, STEP, GUARD)      names the Python second half it calls
+===============================  ===============================================
 
 Files: ``_capi.h`` is the C interface _frames and _shadowfast export to
 _hookfast (capsules); ``_slots.h`` the in-line slot reads of vLLM's
 ``KVCacheBlock`` and kvsan's own slotted classes that _shadowfast,
 _tokenlinks, _devicefast and _hookfast share.  Every vLLM attribute the C
-reads by name is declared in the adapters' start-up contract
-(:mod:`kvsan.hooks.contract`); build: ``setup.py`` and
-``scripts/build_native.py``; design: docs/design.md, "Native modules".
+reads by name is declared in the start-up contract
+(:mod:`kvsan.hooks.vllm.layouts`: a release without one runs the Python
+paths).  Build: ``setup.py`` and ``scripts/build_native.py`` (warning-free
+under ``-Wall -Wextra``: tests/test_native_build.py); design:
+docs/design.md, "Native modules".
 """
