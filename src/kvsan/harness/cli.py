@@ -32,6 +32,12 @@ def cmd_stress(args) -> int:
     return main(args)
 
 
+def cmd_fuzz(args) -> int:
+    from .fuzz.campaign import main
+
+    return main(args)
+
+
 def add_commands(sub) -> None:
     r = sub.add_parser("repro", help="deterministic two-request reproduction (A shares a "
                                      "prefix with B, A cancelled at five moments, C's "
@@ -62,3 +68,23 @@ def add_commands(sub) -> None:
     s.add_argument("--json", help="also write the summary (token-free) to this file "
                                   "(default: none)")
     s.set_defaults(func=cmd_stress)
+    z = sub.add_parser("fuzz", help="coverage-guided search (Atheris) for KV-cache lifetime "
+                                    "bugs; findings shrunk to reproducer scripts")
+    z.add_argument("--target", choices=("scheduler", "engine"), required=True,
+                   help="what the search drives: vLLM's scheduler alone, or the engine (required)")
+    z.add_argument("--seconds", type=float, required=True,
+                   help="length of the search (required)")
+    z.add_argument("--seed", type=int, default=0, help="seed of the search (default: 0)")
+    z.add_argument("--corpus", help="directory of the corpus, kept between runs (default: "
+                                    "a temporary one)")
+    z.add_argument("--json", help="one JSON line per finding in this file (default: none)")
+    z.add_argument("--findings-dir", default="kvsan-fuzz-findings",
+                   help="where reproducer scripts go (default ./kvsan-fuzz-findings)")
+    z.add_argument("--inject", help="run with one of kvsan's built-in scheduler-side faults "
+                                    "(default: none)")
+    z.add_argument("--realbug", help="run with a benchmarks/realbugs entry switched on "
+                                     "(default: none)")
+    z.add_argument("--shrink-seconds", type=float, default=60.0,
+                   help="time for shrinking all findings (default 60)")
+    z.add_argument("--workdir", help="where the search's log goes (default: a temp dir)")
+    z.set_defaults(func=cmd_fuzz)

@@ -1,0 +1,135 @@
+"""``kvsan fuzz``: the scheduler target on vLLM's real Scheduler, managers and
+BlockPool (clean programs report nothing and show no harm; a built-in fault
+is reported with its kind, blocks and owners, and harms vLLM's state without
+kvsan), shrinking, and the command end to end (exit codes 0/1/2, the JSON
+line, a reproducer that shows the harm with kvsan off and the violation with
+kvsan on)."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+atheris_missing = pytest.mark.skipif(
+    __import__("importlib").util.find_spec("atheris") is None,
+    reason="Atheris is not installed for this Python (the test extra installs it on 3.11)")
+
+
+def programs(n, seed=0):
+    from kvsan.harness.fuzz import program
+
+    rng = random.Random(seed)
+    for _ in range(n):
+        yield program.decode(bytes(rng.randrange(256) for _ in range(rng.randrange(20, 300))))
+
+
+def test_clean_programs_report_nothing(rt):
+    """Random programs over every configuration the decoder builds (layouts,
+    async scheduling, draft tokens, the connector stub): no violation, no
+    vLLM exception, no harm in vLLM's state, no kvsan error."""
+    from kvsan.harness.fuzz import scheduler
+
+    seen = {"async": 0, "spec": 0, "connector": 0, "hybrid": 0, "sliding": 0}
+    for p in programs(150):
+        out = scheduler.execute(p, check_harm=True)
+        assert (out.violations, out.error, out.harm, out.internal) == ([], None, [], []), p
+        c = p["config"]
+        for k in ("async", "spec", "connector"):
+            seen[k] += bool(c[k])
+        seen[c["layout"]] = seen.get(c["layout"], 0) + 1
+    assert all(seen.values()), seen
+
+
+def test_builtin_fault_found_and_shrunk(rt):
+    """touch_without_ref (a prefix hit that takes no reference): some random
+    program shows free_with_live_owners naming the hitting request as the
+    live owner; shrinking keeps it; without kvsan, the same program leaves
+    a live request's block with no reference."""
+    from kvsan import plugin
+    from kvsan.harness.fuzz import faultctx, findings, scheduler, shrink
+
+    hit = None
+    with faultctx.active("touch_without_ref"):
+        for p in programs(400, seed=1):
+            v = [x for x in scheduler.execute(p).violations if x["kind"] == "free_with_live_owners"]
+            if v:
+                hit = (p, (v[0]["kind"], v[0]["site"]))
+                break
+        assert hit is not None
+        p, key = hit
+        small = shrink.shrink(p, lambda q: key in findings.keys(scheduler.execute(q)),
+                              budget_s=20)
+        assert len(small["ops"]) <= len(p["ops"])
+        out = scheduler.execute(small)
+        v = [x for x in out.violations if (x["kind"], x["site"]) == key]
+        assert v and v[0]["blocks"] and v[0]["owners"]
+        adds = sum(op[0] == "add" for op in small["ops"])
+        assert {o for x in v for o in x["owners"]} <= {f"r{i}" for i in range(adds)}
+    plugin.uninstall()
+    try:
+        with faultctx.active("touch_without_ref"):
+            off = scheduler.execute(small, check_harm=True)
+    finally:
+        from kvsan import runtime
+        runtime.set_runtime(rt)
+        from kvsan.hooks.vllm import INSTRUMENTOR
+        INSTRUMENTOR.instrument(rt, rt.config)
+    assert off.violations == [] and any("no reference left" in h or "below" in h
+                                        for h in off.harm), off.harm
+
+
+def _fuzz(tmp_path, *extra, seconds=4):
+    return subprocess.run(
+        [sys.executable, "-m", "kvsan.cli", "fuzz", "--target", "scheduler", "--seconds",
+         str(seconds), "--json", str(tmp_path / "out.json"), "--findings-dir",
+         str(tmp_path / "found"), "--workdir", str(tmp_path / "w"), "--shrink-seconds", "15",
+         *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+
+
+def test_usage_errors_exit_2(tmp_path):
+    r = _fuzz(tmp_path, "--inject", "no_such_fault")
+    assert r.returncode == 2 and "no_such_fault" in r.stderr and "accepted" in r.stderr
+    r = _fuzz(tmp_path, seconds=0)
+    assert r.returncode == 2 and "--seconds" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvsan.cli", "fuzz", "--seconds", "3"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 2 and "--target" in r.stderr
+
+
+@atheris_missing
+@pytest.mark.slow
+def test_campaign_with_a_fault_writes_a_reproducer(tmp_path):
+    """The command with a built-in fault: exit 1, one JSON line per finding
+    (kind, blocks, call site, reproducer), and the reproducer shows the
+    harm with kvsan off and the violation with kvsan on."""
+    r = _fuzz(tmp_path, "--inject", "double_unref_on_abort", "--seed", "3", seconds=8)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "execs" in r.stdout and "coverage" in r.stdout
+    lines = [json.loads(x) for x in open(tmp_path / "out.json")]
+    assert lines and all({"kind", "blocks", "site", "reproducer"} <= set(x) for x in lines)
+    # (the fault frees a shared prefix twice: a free under live owners, and
+    # with it double releases, underflows, a corrupt free queue)
+    lifetime = {"free_with_live_owners", "double_release", "refcount_underflow",
+                "free_queue_corruption", "reuse_with_live_owners", "evict_with_live_owners"}
+    mine = sorted((x for x in lines if x["kind"] in lifetime and x["reproduced"]),
+                  key=lambda x: x["kind"] != "free_with_live_owners")
+    assert mine and mine[0]["blocks"], [(x["kind"], x["site"], x["reproduced"]) for x in lines]
+    rep = subprocess.run([sys.executable, mine[0]["reproducer"]], capture_output=True,
+                         text=True, cwd=str(tmp_path), timeout=300)
+    assert rep.returncode == 0, rep.stdout + rep.stderr
+    assert "harm:" in rep.stdout and "<- this finding" in rep.stdout
+
+
+@atheris_missing
+@pytest.mark.slow
+def test_clean_campaign_exits_0(tmp_path):
+    r = _fuzz(tmp_path, "--corpus", str(tmp_path / "corpus"), seconds=4)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 finding(s)" in r.stdout
+    assert os.listdir(tmp_path / "corpus")  # the corpus persists
