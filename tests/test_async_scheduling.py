@@ -117,11 +117,12 @@ def sampled_for(sched, so) -> list:
     return [ids, [[(7 * i) % 400 + 1] if d else [] for i, d in enumerate(done)]]
 
 
-def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
+def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None, sched=None):
     """``EngineCore.step_with_batch_queue`` with a queue of two: schedule
     and run step N+1, then take step N's output.  ``fault_at``: at that
     step, free a running request's last block behind the manager's back,
-    and stop."""
+    and stop.  ``sched``: the scheduler (a POOL-block AsyncScheduler for 8
+    requests by default)."""
     from vllm.v1.request import RequestStatus
 
     from vllm_objects import model_runner_output
@@ -129,7 +130,8 @@ def drive(rt, steps: int = 160, seed: int = 0, fault_at: int | None = None):
     rt.clear()
     from benchmarks.sched import make_scheduler
 
-    sched = make_scheduler(8, POOL, async_scheduling=True, max_num_batched_tokens=256)
+    if sched is None:
+        sched = make_scheduler(8, POOL, async_scheduling=True, max_num_batched_tokens=256)
     worker = WorkerView(rt, POOL)
     traffic = Traffic(sched, seed, 12)
     queue: deque = deque()

@@ -93,6 +93,61 @@ def test_two_adapters_same_name_different_ids(rt):
     assert fields_of(rt) == {("lora",)}
 
 
+def adapter(path, content: bytes) -> str:
+    """An adapter directory at ``path`` whose weights file holds ``content``."""
+    import os
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
+        f.write(content)
+    return str(path)
+
+
+def add_lora(lr) -> None:
+    """What ``EngineCore.add_lora`` does under kvsan once the workers took it."""
+    from kvsan.hooks.vllm import identity as vllm_identity
+
+    vllm_identity._add_lora(lambda *a, **k: True, None, (lr,), {})
+
+
+def test_an_adapter_loaded_again_under_a_new_id_is_its_own_load(rt, tmp_path):
+    """A name loaded again (a new id, its path rewritten meanwhile) while KV
+    of the old load is cached: vLLM keys both by (name, path), so the new
+    load is served the old one's KV.  Up to vLLM 0.33 the two LoRARequests
+    are equal (by name): kvsan keys each load by name, id and path."""
+    path = adapter(tmp_path / "sql", b"v1" * 64)
+    a = request("A", lora_request=lora("sql", 31, path))
+    m = make_manager(24)
+    serve(m, a)
+    adapter(tmp_path / "sql", b"v2" * 64)  # retrained in place, then loaded under a new id
+    b = request("B", lora_request=lora("sql", 32, path))
+    assert serve(m, b) == 3 * BLOCK
+    bad = mismatches(rt)
+    assert len(bad) == 3 and fields_of(rt) == {("lora",)}
+    assert bad[0].blocks == [m.get_block_ids("A")[0][0]] and bad[0].actor == "B"
+
+
+def test_files_rewritten_under_a_loaded_adapter_until_it_is_loaded_in_place(rt, tmp_path):
+    """Rewritten files change nothing the workers compute with until the
+    adapter is loaded again in place (``load_inplace``): a hit before that
+    is right, one after it is served KV of the old weights."""
+    from vllm.lora.request import LoRARequest
+
+    path = adapter(tmp_path / "chat", b"v1" * 64)
+    m = make_manager(32)
+    serve(m, request("A", lora_request=lora("chat", 33, path)))
+    adapter(tmp_path / "chat", b"v2" * 64)
+    assert serve(m, request("B", lora_request=lora("chat", 33, path))) == 3 * BLOCK
+    assert kinds_of(rt) == []
+    add_lora(LoRARequest("chat", 33, path))  # already loaded: the workers keep it
+    assert serve(m, request("C", lora_request=lora("chat", 33, path))) == 3 * BLOCK
+    assert kinds_of(rt) == []
+    add_lora(LoRARequest("chat", 33, path, load_inplace=True))
+    assert serve(m, request("D", lora_request=lora("chat", 33, path))) == 3 * BLOCK
+    assert len(mismatches(rt)) == 3 and fields_of(rt) == {("lora",)}
+    assert {v.actor for v in mismatches(rt)} == {"D"}
+
+
 def _tagged(kcu) -> bool:
     """Whether the installed vLLM tags the extra keys of its block hashes
     (``("cache_salt", salt)``, ``("lora", name, path)``): 0.31 on.  vLLM 0.30

@@ -16,7 +16,12 @@ Invariants:
 * the engine's count equals the number of owners (``refcount_mismatch``);
 * the free queue holds only unreferenced blocks, each once
   (``free_queue_corruption``);
-* when a request's release path has run it holds nothing (``leaked_blocks``).
+* when a request's release path has run it holds nothing (``leaked_blocks``);
+* where the engine's steps overlap and something outside their order may
+  write a block handed on (a KV connector's loads), a step scheduled and not
+  yet processed owns the blocks it reads and writes for its requests
+  (``step:<n>``): none of them goes back to the free queue, or to a new
+  owner, before that step's output is processed (:meth:`inflight_released`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,12 @@ _NONREQUEST_ORDER = ("deferred:", "cow:", "pin:", "anon:")
 #: owner prefix of a request's blocks that its KV connector holds after the
 #: request finished (the connector delayed the free: an async save or send)
 XFER = "xfer:"
+#: owner prefix of a step scheduled and not yet processed (``step:<n>``, n
+#: the step it was scheduled at), for the blocks it reads and writes
+STEP = "step:"
+#: the owners that hold a request's blocks for it after it let them go
+#: (a fenced free, a connector's transfer, a pending copy)
+_HELD_FOR = ("deferred:", XFER, "cow:")
 
 
 class AllocatorChecker:
@@ -375,6 +386,59 @@ class AllocatorChecker:
                 f"dropped{now}",
                 [b], holders + [consumer], consumer, site,
             )
+
+    # -- steps in flight ----------------------------------------------------
+    def inflight_released(self, step: int, rid: str, obs: Sequence[tuple[int, int]],
+                          evicted, site: str | None = None) -> list[int]:
+        """Blocks that the step scheduled at ``step``, whose output the
+        engine has not processed yet, reads or writes for ``rid``, looked at
+        after ``rid`` let some go.  ``obs``: (block, the engine's reference
+        count now); ``evicted``: the blocks evicted to be reused since the
+        last look (a container).  The step is a live owner (``step:<n>``) of
+        each: one no longer held for ``rid`` (by it, or by a fenced free,
+        connector transfer or copy made for it) and back in the free queue
+        is ``free_with_live_owners``; one handed to a new owner since (a
+        reference again, and fresh: uncached, or evicted) is also
+        ``reuse_with_live_owners``.  One taken by a prefix hit (still cached
+        under its key) or still shared is only read by both: nothing.
+        ``site``: the faulty call, else the block's last release.  Returns
+        the blocks reported freed and not yet reused (the adapter watches
+        them for a reuse until the step is processed)."""
+        sh = self.shadow
+        owner = f"{STEP}{step}"
+        held_for = (rid,) + tuple(p + rid for p in _HELD_FOR)
+        watch = []
+        for b, ref in obs:
+            if b in sh.null or any(sh.is_owner(b, o) for o in held_for):
+                continue
+            if ref > 0 and sh.cached[b] and b not in evicted:
+                continue  # a prefix hit on it, or another holder: readers only
+            where = site or sh.sites[sh.rel_site[b]]
+            self._report(
+                kinds.FREE_WITH_LIVE_OWNERS,
+                f"block {b} returned to the free queue by {rid} while step {step}, "
+                f"scheduled and not yet processed, still reads or writes it for {rid}",
+                [b], [owner], rid, where,
+            )
+            if ref > 0:
+                self.inflight_reused(step, b)
+            else:
+                watch.append(b)
+        return watch
+
+    def inflight_reused(self, step: int, b: int) -> None:
+        """Block ``b``, freed under the step scheduled at ``step`` (see
+        :meth:`inflight_released`), was handed to a new owner before that
+        step's output was processed (reported at its last acquire's site)."""
+        sh = self.shadow
+        holders = sh.owners(b)
+        site = sh.sites[sh.acq_site[b]]
+        self._report(
+            kinds.REUSE_WITH_LIVE_OWNERS,
+            f"block {b} handed to {', '.join(holders) or 'a new owner'} while step {step}, "
+            "scheduled and not yet processed, still reads or writes it",
+            [b], [f"{STEP}{step}"], holders[0] if holders else None, site,
+        )
 
     # -- request lifecycle --------------------------------------------------
     def on_request_released(self, rid: str, reason: str, site: str, final: bool = True) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import weakref
 from array import array
+from collections import deque
 from time import monotonic as _monotonic
 from time import perf_counter as _perf_counter
 
@@ -386,7 +387,11 @@ def _scheduler_init(wrapped, instance, args, kwargs):
     if rt is not None and rt.role != "worker":
         cfg = args[0] if args else kwargs.get("vllm_config")
         _guard(rt, "engine identity", _confirm_engine, rt, cfg)
-    return wrapped(*args, **kwargs)
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    if rt is not None and rt.role != "worker":
+        _guard(rt, "in-flight steps", _fence_steps, instance)
+    return ret
 
 
 def _confirm_engine(rt, vllm_config) -> None:
@@ -591,6 +596,9 @@ def _schedule(wrapped, instance, args, kwargs):
     if rt is None:
         return wrapped(*args, **kwargs)
     rt.step += 1
+    fl = _INFLIGHT.get(instance) if _INFLIGHT else None
+    if fl is not None:
+        fl.make_room()
     ret = wrapped(*args, **kwargs)
     _schedule_ends(rt, instance, ret, None)
     return ret
@@ -636,6 +644,10 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
             guard_failed(rt, "schedule", e)  # a violation (raise / abort modes) propagates
         finally:
             rt.overhead_s += _perf_counter() - t0
+        fl = _INFLIGHT.get(sched) if _INFLIGHT else None
+        if fl is not None:  # (its steps stay on the Python hooks)
+            _guard(rt, "in-flight steps", fl.scheduled, rt, ck, sched, ret, payload)
+            return
         _hand_schedule_to_native(rt, sched, ck)
 
 
@@ -668,6 +680,10 @@ def still_cached(cached: list[int], flags) -> list[int]:
 
 
 def _update_from_output(wrapped, instance, args, kwargs):
+    fl = _INFLIGHT.get(instance) if _INFLIGHT else None
+    if fl is not None and _rt._runtime is not None:  # the step of this output has run
+        _guard(_rt._runtime, "in-flight steps", fl.processed,
+               args[0] if args else kwargs.get("scheduler_output"))
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     if rt is not None:
@@ -816,7 +832,10 @@ def _request_ended(sched, request) -> None:
                 ck.on_request_released(rid, status, call_site(1))
         else:
             _request_released(rt, ck, sched, rid, status, True)
-        if _hooks.HOOKFAST is not None:
+        fl = _INFLIGHT.get(sched) if _INFLIGHT else None
+        if fl is not None:
+            fl.ended(ck, rid)
+        elif _hooks.HOOKFAST is not None:
             _hand_ends_to_native(rt, sched, ck)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_free_request", e)  # a violation (raise / abort modes) propagates
@@ -947,7 +966,10 @@ def _preempted(sched, request) -> None:
     t0 = _perf_counter()  # guarded inline, as _guard does
     try:
         _request_released(rt, ck, sched, request.request_id, "preempted", False)
-        if _hooks.HOOKFAST is not None:
+        fl = _INFLIGHT.get(sched) if _INFLIGHT else None
+        if fl is not None:
+            fl.ended(ck, request.request_id)
+        elif _hooks.HOOKFAST is not None:
             _hand_ends_to_native(rt, sched, ck)
     except Exception as e:  # noqa: BLE001 - report first, never mask
         guard_failed(rt, "_preempt_request", e)  # a violation (raise / abort modes) propagates
@@ -989,7 +1011,7 @@ def _finished(sched, ret, request_ids=_NOT_GIVEN) -> None:
             for request in todo:
                 ck.on_request_released(request.request_id, _status(request), site)
         _guard(rt, "finish_requests", check)
-    if ret and _hooks.HOOKFAST is not None:
+    if ret and _hooks.HOOKFAST is not None and not (_INFLIGHT and sched in _INFLIGHT):
         _guard(rt, "finish_requests", _hand_ends_to_native, rt, sched, ck)
 
 
@@ -1012,6 +1034,186 @@ def _dropped(sched, request_ids) -> list:
     for name in ("waiting", "kv_holding_waiting", "deferred_waiting"):
         queued.update(id(r) for r in getattr(sched, name, ()) or ())
     return [r for r in left if id(r) not in queued]
+
+
+# ------------------------------------------------------------ steps in flight
+#: scheduler -> its :class:`InFlight`: only a scheduler whose steps overlap
+#: (``max_concurrent_batches`` > 1: async scheduling, pipeline parallelism)
+#: and whose KV connector loads into blocks outside the steps' order (a
+#: consumer); any other's overlap is ordered on the device (see InFlight)
+_INFLIGHT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _fence_steps(sched) -> None:
+    """After ``Scheduler.__init__``: whether ``sched``'s steps in flight
+    own their blocks (:class:`InFlight`), read from its configuration."""
+    cfg = sched.vllm_config
+    kvt = getattr(cfg, "kv_transfer_config", None)
+    cap = getattr(cfg, "max_concurrent_batches", 1)
+    if (getattr(sched, "connector", None) is not None and kvt is not None
+            and getattr(kvt, "is_kv_consumer", False) is True
+            and type(cap) is int and cap > 1):
+        _INFLIGHT[sched] = InFlight(cap)
+    else:
+        _INFLIGHT.pop(sched, None)
+
+
+#: manager class -> whether its attention skips tokens (a window)
+_WINDOWED: dict = {}
+
+
+def _skipped(manager, pos: int) -> int | None:
+    """The tokens before ``pos`` that the attention of a query at ``pos``
+    no longer reads (vLLM's own ``get_num_skipped_tokens``); None for full
+    attention, whose manager keeps the base class's (it skips none)."""
+    cls = type(manager)
+    windowed = _WINDOWED.get(cls)
+    if windowed is None:
+        base = None
+        for k in cls.__mro__:
+            if k.__name__ == "SingleTypeKVCacheManager":
+                base = k.__dict__.get("get_num_skipped_tokens")
+        windowed = _WINDOWED[cls] = getattr(cls, "get_num_skipped_tokens", None) \
+            not in (None, base)
+    return manager.get_num_skipped_tokens(pos) if windowed else None
+
+
+class InFlight:
+    """The steps a scheduler has scheduled and whose output it has not
+    processed yet, with the blocks each reads or writes for its requests.
+
+    A step in flight writes the KV of its scheduled tokens and its
+    attention reads each request's KV.  Where steps overlap, a request can
+    end (or be preempted, or its window move on) on step N's output while
+    step N+1, already scheduled, still writes and reads its blocks.  Handed
+    on to a later step, a block is safe (the device runs steps in order);
+    handed to a KV connector's load, it is written outside that order, so
+    the engine must keep such blocks until the step's output is processed
+    (vLLM fences the free).  Per step it notes, for each scheduled request
+    and KV cache group, the blocks the step writes and, for a windowed
+    group, the blocks from its window's start on (slices of vLLM's tables:
+    work per request and group, not per block).  Checked: after a
+    request's release path (finish, abort, preemption), the blocks its
+    steps in flight write; after each ``schedule()``, the window blocks its
+    steps in flight read that the request has dropped, and the blocks freed
+    under a step that were since handed to a new owner.  A step's blocks
+    are let go at the start of ``update_from_output`` for its output."""
+
+    __slots__ = ("cap", "steps", "watch")
+
+    def __init__(self, cap: int):
+        #: the engine's overlap: steps beyond it are taken as processed
+        #: (a step whose output never comes, e.g. a test's)
+        self.cap = cap
+        #: (step, {rid: (written blocks, [(manager, first index, blocks)])})
+        self.steps: deque = deque()
+        #: block id -> (the step it was freed under, its cache key then or
+        #: None), watched for a reuse
+        self.watch: dict[int, tuple] = {}
+
+    def make_room(self) -> None:
+        """Before a ``schedule()``: at most ``cap - 1`` steps stay in flight."""
+        while len(self.steps) >= self.cap:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        step = self.steps.popleft()[0]
+        if self.watch:
+            for b in [b for b, (s, _) in self.watch.items() if s <= step]:
+                del self.watch[b]
+
+    def processed(self, so) -> None:
+        """``so``'s output is being processed: its step and those before
+        it have run."""
+        payload = getattr(so, "kvsan", None)
+        step = payload.get("step") if isinstance(payload, dict) else None
+        if step is None:  # (no payload: the oldest, in order)
+            if self.steps:
+                self._let_go()
+            return
+        while self.steps and self.steps[0][0] <= step:
+            self._let_go()
+
+    def scheduled(self, rt, ck, sched, so, payload) -> None:
+        """After ``schedule()``: the steps in flight checked, then this
+        one noted."""
+        if ck is None:
+            return
+        evicted = payload.get("uncached") if isinstance(payload, dict) else None
+        evicted = set(evicted) if evicted else ()
+        if self.watch:  # held again: reused, unless a prefix hit revived it under its key
+            sh = ck.shadow
+            for b, (step, key) in list(self.watch.items()):
+                if sh.nown[b] and (key is None or b in evicted or not sh.cached[b]
+                                   or sh.hashes[b] is not key):
+                    del self.watch[b]
+                    ck.inflight_reused(step, b)
+        for step, entries in self.steps:
+            for rid, (_, windows) in entries.items():
+                for manager, lo, blocks in windows:
+                    self._window(ck, manager, step, rid, lo, blocks, evicted)
+        entries = {}
+        reqs = sched.requests
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+        for rid, n in so.num_scheduled_tokens.items():
+            req = reqs.get(rid)
+            if req is None or not n:
+                continue
+            end = req.num_computed_tokens  # (advanced by this step's tokens)
+            start = end - n
+            written, windows = [], []
+            for m in managers:
+                table = m.req_to_blocks.get(rid)
+                if not table:
+                    continue
+                bs = m.block_size
+                hi = min(len(table), -(-end // bs))
+                first = start // bs
+                skip = _skipped(m, start)
+                if skip is not None:  # a window: the step reads from its start on
+                    lo = min(max(skip, 0) // bs, first)
+                    windows.append((m, lo, table[lo:hi]))
+                written += table[first:hi]
+            entries[rid] = (written, windows)
+        if entries:
+            self.steps.append((rt.step, entries))
+
+    def _window(self, ck, manager, step, rid, lo, blocks, evicted) -> None:
+        """The blocks ``blocks`` (from index ``lo`` of ``rid``'s table in
+        ``manager``) that step ``step`` reads: any the request dropped."""
+        table = manager.req_to_blocks.get(rid)
+        if table is None:  # (the request ended: checked then)
+            return
+        k = 0
+        while k < len(blocks) and blocks[k].is_null:
+            k += 1
+        if k == len(blocks) or (lo + k < len(table) and table[lo + k] is blocks[k]):
+            return  # (the common case: its window has not moved past them)
+        n = len(table)
+        obs = [(b.block_id, b.ref_cnt) for i, b in enumerate(blocks, lo)
+               if not b.is_null and (i >= n or table[i] is not b)
+               and b.block_id not in self.watch]
+        if obs:
+            self._watch(ck, step, ck.inflight_released(step, rid, obs, evicted))
+
+    def _watch(self, ck, step: int, blocks) -> None:
+        """Watch ``blocks``, freed under ``step``, for a reuse: with the
+        key each was cached under when freed (a prefix hit may revive it)."""
+        sh = ck.shadow
+        for b in blocks:
+            self.watch[b] = (step, sh.hashes[b] if sh.cached[b] else None)
+
+    def ended(self, ck, rid: str) -> None:
+        """After ``rid``'s release path: the blocks its steps in flight
+        write (what they read for it is dropped with it)."""
+        for step, entries in self.steps:
+            got = entries.get(rid)
+            if got is None:
+                continue
+            obs = [(b.block_id, b.ref_cnt) for b in got[0]
+                   if not b.is_null and b.block_id not in self.watch]
+            if obs:
+                self._watch(ck, step, ck.inflight_released(step, rid, obs, ()))
 
 
 def _remove_blocks_in_range(wrapped, instance, args, kwargs):

@@ -23,12 +23,20 @@ from ... import runtime as _rt
 from ...checks import identity as _identity
 from ...checks.identity import IdentityAudit, RequestIdentity, digest, text
 from .. import Target, bind_args, guard_failed, instrument, request_on_stack, uninstrument
+from .. import guard as _guard
 from . import allocator as _allocator
 from ..contract import Contract
 from .allocator import CACHE_FULL_BLOCKS_ARGS
 
 _state = {"weights_epoch": 0, "model": None}
-_lora_epochs: dict[str, int] = {}
+#: (adapter name, id, path) -> the loads of it ``EngineCore.add_lora`` made
+_lora_epochs: dict[tuple, int] = {}
+#: (adapter name, id, path) -> the identity of the weights loaded for it
+#: (:func:`_lora_identity`), kept from its load until it is loaded again
+#: in place or removed.  Keyed by these fields, never by the LoRARequest: up to
+#: vLLM 0.33 a LoRARequest equals (and hashes as) any other of its name, so
+#: an adapter loaded again under a new id would be taken for the old one.
+_lora_loads: dict[tuple, tuple] = {}
 _audits: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # pool -> audit
 #: request id -> its identity chain, a weak reference to its Request
 #: (:class:`RequestIdentity`).  A plain dict keyed by the id, the Request
@@ -121,14 +129,29 @@ def _static_digests(lora, salt) -> tuple[bytes, bytes]:
 
 
 def _lora_identity(lr) -> tuple:
-    """What a LoRA adapter changes the KV by: the digest of its files where
-    the scheduler can read them (an adapter reloaded under the same name
-    with other weights differs; one adapter under two names or ids does
-    not), else its name, id, path and load epoch (``add_lora``)."""
-    files = adapter_files_digest(lr.lora_path)
+    """What a LoRA adapter changes the KV by: the weights its workers
+    loaded for it.  Taken when it is loaded (``add_lora``, or the first
+    request that uses it, when the workers load it from its path) and kept
+    until it is loaded again in place or removed: files rewritten under a
+    loaded adapter change nothing its KV is computed with.  The digest of
+    its files where the scheduler can read them (an adapter loaded again
+    under the same name and path with other weights differs; one adapter
+    under two names or ids does not), else its name, id, path and load
+    epoch."""
+    key = (lr.lora_name, lr.lora_int_id, lr.lora_path)
+    got = _lora_loads.get(key)
+    if got is None:
+        got = _lora_loads[key] = _loaded(lr, key, False)
+    return got
+
+
+def _loaded(lr, key: tuple, fresh: bool) -> tuple:
+    """The identity of what a load of ``lr`` reads (``fresh``: the files
+    read again whatever their size and time say)."""
+    files = adapter_files_digest(lr.lora_path, fresh)
     if files is not None:
         return ("files", files)
-    return (lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(lr.lora_name, 0))
+    return (lr.lora_name, lr.lora_int_id, lr.lora_path, _lora_epochs.get(key, 0))
 
 
 #: adapter path -> (the stat signature of its files, their content digest):
@@ -136,10 +159,12 @@ def _lora_identity(lr) -> tuple:
 _adapter_memo: dict = {}
 
 
-def adapter_files_digest(path) -> bytes | None:
+def adapter_files_digest(path, fresh: bool = False) -> bytes | None:
     """Content digest of the adapter at ``path`` (a directory: every
     regular file in it, by name; a file: that file), or None where it cannot
-    be read.  Re-read only when a file's size or mtime changes."""
+    be read.  Re-read only when a file's size or mtime changes, or when
+    ``fresh`` (a load: files rewritten within the clock's resolution keep
+    both)."""
     import os
 
     if not isinstance(path, str) or not path:
@@ -156,7 +181,7 @@ def adapter_files_digest(path) -> bytes | None:
         sig = tuple((n, st.st_size, st.st_mtime_ns)
                     for n, st in zip(names, map(os.stat, paths)))
         memo = _adapter_memo.get(path)
-        if memo is not None and memo[0] == sig:
+        if memo is not None and memo[0] == sig and not fresh:
             return memo[1]
         import hashlib
 
@@ -382,9 +407,34 @@ def _stale_hits(pool, rid: str, blocks: list[int]) -> None:
 
 
 def _add_lora(wrapped, instance, args, kwargs):
-    lr = args[0] if args else kwargs["lora_request"]
-    _lora_epochs[lr.lora_name] = _lora_epochs.get(lr.lora_name, 0) + 1
-    return wrapped(*args, **kwargs)
+    """``EngineCore.add_lora``: the workers load the adapter, unless one of
+    its id is loaded and the request does not ask to load it again in
+    place (``load_inplace``).  A load starts a new identity for it: its
+    files as they are now (read again), or a new load epoch."""
+    ret = wrapped(*args, **kwargs)
+    rt = _rt._runtime
+    if rt is not None and ret is not False:
+        lr = args[0] if args else kwargs["lora_request"]
+        _guard(rt, "add_lora", _note_load, lr)
+    return ret
+
+
+def _note_load(lr) -> None:
+    key = (lr.lora_name, lr.lora_int_id, lr.lora_path)
+    if key in _lora_loads and not getattr(lr, "load_inplace", False):
+        return  # (already loaded: the workers keep what they have)
+    _lora_epochs[key] = _lora_epochs.get(key, 0) + 1
+    _lora_loads[key] = _loaded(lr, key, True)
+
+
+def _remove_lora(wrapped, instance, args, kwargs):
+    """``EngineCore.remove_lora``: the adapter's weights leave the workers;
+    its next use loads it again, from what its files hold then."""
+    ret = wrapped(*args, **kwargs)
+    lora_id = args[0] if args else kwargs.get("lora_id")
+    for key in [k for k in _lora_loads if k[1] == lora_id]:
+        del _lora_loads[key]
+    return ret
 
 
 def _scheduler_init(wrapped, instance, args, kwargs):
@@ -407,6 +457,7 @@ def targets() -> list[Target]:
                fast=("HITS", _no_second_half)),
         Target("vllm.v1.core.sched.scheduler", "Scheduler.__init__", _scheduler_init),
         Target("vllm.v1.engine.core", "EngineCore.add_lora", _add_lora),
+        Target("vllm.v1.engine.core", "EngineCore.remove_lora", _remove_lora),
     ]
 
 
@@ -502,6 +553,7 @@ CONTRACT = Contract(
         f"{_HITS_HOOK[0]}:{_HITS_HOOK[1]}.{_HITS_HOOK[2]}": ("request_id", "new_computed_blocks"),
         "vllm.v1.core.sched.scheduler:Scheduler.__init__": (),
         "vllm.v1.engine.core:EngineCore.add_lora": ("lora_request",),
+        "vllm.v1.engine.core:EngineCore.remove_lora": ("lora_id",),
     },
     attrs={
         "vllm.v1.core.kv_cache_utils:KVCacheBlock": ("block_id", "block_hash", "is_null"),
