@@ -27,6 +27,8 @@ MODULES = [
     "r09_spec_async_load_deadlock",
     "r10_lora_inplace_reload",
     "r11_lora_request_identity",
+    "r12_finished_zombie_rows",
+    "r13_stranded_kv_holders",
     "n01_stale_partial_hash",
 ]
 

@@ -55,7 +55,8 @@ def kv_config(num_blocks: int, spec=None):
 
 def scheduler(num_blocks: int, *, async_scheduling: bool = False, spec=None,
               connector: str | None = None, max_num_seqs: int = 8,
-              max_num_batched_tokens: int = 256, caching: bool = True):
+              max_num_batched_tokens: int = 256, caching: bool = True,
+              policy: str = "fcfs"):
     """vLLM's real scheduler over a ``num_blocks`` pool.  ``connector``:
     a ``kv_role`` for :class:`.connector.StubConnector` (``kv_consumer``,
     ``kv_producer``, ``kv_both``)."""
@@ -68,7 +69,8 @@ def scheduler(num_blocks: int, *, async_scheduling: bool = False, spec=None,
     sched_cfg = SchedulerConfig(max_num_seqs=max_num_seqs,
                                 max_num_batched_tokens=max_num_batched_tokens,
                                 max_model_len=2048, is_encoder_decoder=False,
-                                enable_chunked_prefill=True, async_scheduling=async_scheduling)
+                                enable_chunked_prefill=True, async_scheduling=async_scheduling,
+                                policy=policy)
     cache_cfg = CacheConfig(block_size=BLOCK, enable_prefix_caching=caching)
     kw = {}
     if connector is not None:
