@@ -197,6 +197,44 @@ def test_adapter_reloaded_under_the_same_name_with_other_weights(eng, rt, tmp_pa
     assert_stale_hit(rt, "lora", a, b)
 
 
+@pytest.mark.parametrize("same_stat", [False, True], ids=["new_files", "same_size_and_mtime"])
+def test_adapter_reloaded_in_place_with_other_weights(eng, rt, tmp_path, same_stat):
+    """vLLM #42125's residue: an adapter loaded again in place
+    (``load_inplace``, what ``/v1/load_lora_adapter`` with
+    ``load_inplace=true`` sends) from its path rewritten with other weights
+    keeps its name, id and path, so its key; the KV cached before the reload
+    was computed with the old weights.  Files rewritten with their size and
+    modification time kept are read again at the load all the same."""
+    from vllm.lora.request import LoRARequest
+
+    path = write_adapter(str(tmp_path / "sql"), seed=1)
+    assert eng.llm_engine.add_lora(LoRARequest("sql", 21, path))
+    a = run(eng, "A", PREFIX + [1], LoRARequest("sql", 21, path))
+    files = os.path.join(path, "adapter_model.safetensors")
+    st = os.stat(files)
+    write_adapter(path, seed=2)  # retrained, written over the old files
+    if same_stat:
+        os.utime(files, ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert os.stat(files).st_size == st.st_size
+    assert eng.llm_engine.add_lora(LoRARequest("sql", 21, path, load_inplace=True))
+    b = run(eng, "B", PREFIX + [2], LoRARequest("sql", 21, path))
+    assert_stale_hit(rt, "lora", a, b)
+
+
+def test_adapter_files_rewritten_without_a_reload_are_clean(eng, rt, tmp_path):
+    """Files rewritten under a loaded adapter change nothing the workers
+    compute with until it is loaded again: a hit on its earlier KV is right."""
+    from vllm.lora.request import LoRARequest
+
+    path = write_adapter(str(tmp_path / "kept"), seed=4)
+    run(eng, "A", PREFIX + [1], LoRARequest("kept", 22, path))
+    write_adapter(path, seed=5)
+    assert eng.llm_engine.add_lora(LoRARequest("kept", 22, path))  # loaded: kept as it is
+    run(eng, "B", PREFIX + [2], LoRARequest("kept", 22, path))
+    assert rt.violations() == []
+    assert eng.llm_engine.remove_lora(22)
+
+
 def test_one_adapter_under_two_names_or_ids_is_clean(eng, rt, tmp_path):
     from vllm.lora.request import LoRARequest
 
