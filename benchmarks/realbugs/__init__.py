@@ -29,6 +29,7 @@ MODULES = [
     "r11_lora_request_identity",
     "r12_finished_zombie_rows",
     "r13_stranded_kv_holders",
+    "r14_mooncake_store_preempt",
     "n01_stale_partial_hash",
 ]
 
