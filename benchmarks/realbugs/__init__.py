@@ -30,6 +30,7 @@ MODULES = [
     "r12_finished_zombie_rows",
     "r13_stranded_kv_holders",
     "r14_mooncake_store_preempt",
+    "r15_abort_dual_completion",
     "n01_stale_partial_hash",
 ]
 
