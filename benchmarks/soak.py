@@ -177,9 +177,10 @@ class Traffic:
 
 
 def _kvsan_sizes(rt, report_dir: str | None) -> dict:
-    from kvsan.hooks.vllm import identity as vllm_identity
+    from kvsan.hooks.vllm import identity as vllm_identity, worker as vllm_worker
 
     ck = next(iter(rt.checkers.values()), None)
+    devices = list(vllm_worker._checkers.values())
     sh = ck.shadow if ck is not None else None
     ends = len(ck.recent_ends) if ck is not None else 0
     return {
@@ -190,6 +191,7 @@ def _kvsan_sizes(rt, report_dir: str | None) -> dict:
         "sites": len(sh.sites) if sh is not None else 0,
         "journal": _entries(ck.journal) if ck is not None else 0,
         "identity": sum(_entries(a) for a in vllm_identity._audits.values()),
+        "device": sum(_entries(d) for d in devices),  # (the worker's checker, in-process)
         "report_bytes": _dir_bytes(report_dir),
         "violations": len(rt.violations()),
         # (which container holds them: where a growth would be found)
@@ -201,7 +203,7 @@ def _kvsan_sizes(rt, report_dir: str | None) -> dict:
 
 #: the sizes of a run without kvsan (``--off``: the baseline)
 _NO_KVSAN = {"shadow_entries": 0, "recent_ends": 0, "owners": 0, "sites": 0, "journal": 0,
-             "identity": 0, "report_bytes": 0, "violations": 0, "own_errors": 0, "detail": {}}
+             "identity": 0, "device": 0, "report_bytes": 0, "violations": 0, "own_errors": 0, "detail": {}}
 
 
 def child(spec: dict) -> None:
@@ -277,10 +279,39 @@ def verdict(rows: list[dict], flat: float = 0.05) -> dict:
             "entries_growth": last["shadow_entries"] - start["shadow_entries"]}
 
 
+def against(rows: list[dict], base: list[dict], flat: float = 0.05) -> dict:
+    """kvsan's own share of the memory: each sample of the run with kvsan
+    beside the baseline's (``--off``, the same seeded traffic) when it had
+    served as many requests (the two serve at their own pace), summed over
+    processes.  Holds when that difference grew after warm-up (the first
+    third of the run) by at most ``flat`` of the run's memory there: what
+    grows in the engine itself grows in both."""
+    def total(r):
+        return sum(r["rss_kb"].values())
+
+    pairs = []
+    for r in rows:
+        b = next((x for x in base if x["served"] >= r["served"]), None)
+        if b is not None:
+            pairs.append({"t": r["t"], "served": r["served"], "on_kb": total(r),
+                          "off_kb": total(b), "kvsan_kb": total(r) - total(b)})
+    if len(pairs) < 3:
+        return {"holds": False, "why": "too few samples served alike in both runs",
+                "pairs": pairs}
+    start = next(p for p in pairs if p["t"] >= pairs[-1]["t"] / 3)
+    grew = pairs[-1]["kvsan_kb"] - start["kvsan_kb"]
+    ok = grew <= flat * start["on_kb"]
+    return {"holds": ok, "pairs": pairs, "kvsan_growth_kb": grew,
+            "why": (f"kvsan's share grew {grew / 1024:.0f} MiB after warm-up "
+                    f"({100 * grew / start['on_kb']:.1f}% of the process; "
+                    f"{'within' if ok else 'over'} {100 * flat:.0f}%)")}
+
+
 def table(rows: list[dict]) -> str:
     head = ("| min | RSS MiB (per process) | shadow entries | recent ends | owners | journal "
-            "| identity | report KiB | served | cancelled | preempted | tokens/s | violations |")
-    lines = [head, "|" + "---|" * 13]
+            "| identity | device | report KiB | served | cancelled | preempted | tokens/s "
+            "| violations |")
+    lines = [head, "|" + "---|" * 14]
     prev = None
     for r in rows:
         if "recent_ends" not in r:  # (a record from before the column)
@@ -291,7 +322,8 @@ def table(rows: list[dict]) -> str:
         rss = " / ".join(f"{kb / 1024:.0f}" for _, kb in sorted(r["rss_kb"].items()))
         lines.append(f"| {r['t'] / 60:.1f} | {rss} | {r['shadow_entries']} | {r['recent_ends']} "
                      f"| {r['owners']} "
-                     f"| {r['journal']} | {r['identity']} | {r['report_bytes'] / 1024:.1f} "
+                     f"| {r['journal']} | {r['identity']} | {r.get('device', '-')} "
+                     f"| {r['report_bytes'] / 1024:.1f} "
                      f"| {r['served']} | {r['cancelled']} | {r['preempted']} | {rate:.0f} "
                      f"| {r['violations']} |")
         prev = r
@@ -346,6 +378,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="directory for soak.json, soak.md, soak.png")
     ap.add_argument("--off", action="store_true",
                     help="the same traffic without kvsan (the baseline's memory and throughput)")
+    ap.add_argument("--baseline", default=None,
+                    help="soak.json of an --off run: judge kvsan's share of the memory too")
     args = ap.parse_args(argv)
     if args.minutes <= 0 or args.every <= 0:
         ap.error("--minutes and --every must be positive")
@@ -395,6 +429,14 @@ def main(argv=None) -> int:
             proc.wait()
             raise
     v = verdict(rows, args.flat)
+    if args.baseline:
+        with open(args.baseline) as f:
+            base = json.load(f)["rows"]
+        for r in base:
+            r["rss_kb"] = {int(k): kb for k, kb in r["rss_kb"].items()}
+        v["baseline"] = against(rows, base, args.flat)
+        print(f"soak: against the baseline (kvsan off, same traffic): "
+              f"{'HOLDS' if v['baseline']['holds'] else 'FAILS'}: {v['baseline']['why']}")
     md = table(rows)
     png = plot(rows, os.path.join(out, "soak.png"),
                f"kvsan soak: {args.minutes:g} min, RSS over time") if rows else None

@@ -188,7 +188,7 @@ def _soak_rows(rss: list[int], violations: int = 0) -> list[dict]:
     return [{"t": 60.0 * i, "rss_kb": {11: kb, 12: 1000}, "served": 10 * i, "cancelled": i,
              "preempted": i, "tokens": 100 * i, "requests": 12 * i, "steps": 50 * i,
              "running": 4, "shadow_entries": 300, "recent_ends": 10 * i, "owners": 5, "sites": 9, "journal": 1,
-             "identity": 5, "report_bytes": 4096, "violations": violations if i else 0,
+             "identity": 5, "device": 40, "report_bytes": 4096, "violations": violations if i else 0,
              "own_errors": 0} for i, kb in enumerate(rss)]
 
 
@@ -211,3 +211,20 @@ def test_soak_verdict_table_and_plot(tmp_path):
     assert md.count("\n") == len(flat) + 1 and "| 5.0 | 1021 / 1 | 300 | 50 |" in md
     png = soak.plot(flat, str(tmp_path / "soak.png"), "t")
     assert png is None or os.path.getsize(png) > 1000
+
+
+def test_soak_against_its_baseline():
+    """With the same traffic run without kvsan (``--off``), kvsan's share of
+    the memory is the difference at equal requests served: memory the
+    engine grows by itself is in both runs and does not count."""
+    from benchmarks import soak
+
+    grows = [900_000, 1_000_000, 1_050_000, 1_100_000, 1_150_000]  # the engine's own growth
+    base = _soak_rows(grows)
+    on = _soak_rows([kb + 20_000 for kb in grows])  # kvsan: a flat 20 MB on top
+    got = soak.against(on, base)
+    assert got["holds"] and got["kvsan_growth_kb"] == 0, got
+    assert not soak.verdict(on)["holds"]  # (the absolute rule alone fails here)
+    leak = _soak_rows([kb + 20_000 + 30_000 * i for i, kb in enumerate(grows)])
+    bad = soak.against(leak, base)
+    assert not bad["holds"] and bad["kvsan_growth_kb"] == 2 * 30_000, bad  # (from 2 min on)
