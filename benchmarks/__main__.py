@@ -82,9 +82,19 @@ def main(argv=None) -> int:
     text = "\n".join(out) + "\n"
     print(text)
     if args.out != "-":
+        try:  # (the soak's section, written by `make soak`'s run, is kept)
+            with open(args.out) as f:
+                old = f.read()
+            kept = old[old.index(SOAK_SECTION):] if SOAK_SECTION in old else ""
+        except OSError:
+            kept = ""
         with open(args.out, "w") as f:
-            f.write(text)
+            f.write(text + ("\n" + kept if kept else ""))
     return 0
+
+
+#: where the soak's results begin in results.md (benchmarks/soak.py)
+SOAK_SECTION = "## kvsan soak"
 
 
 if __name__ == "__main__":

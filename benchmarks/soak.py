@@ -330,8 +330,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: str, title: str) -> str | None:
-    """RSS of each process (MiB) and kvsan's entries over time, as a PNG."""
+def plot(rows: list[dict], path: str, title: str, base: list[dict] | None = None) -> str | None:
+    """RSS of each process (MiB) over time, as a PNG; with ``base`` (the
+    same traffic without kvsan), its processes too, in grey."""
     try:
         from PIL import Image, ImageDraw
     except ImportError:
@@ -342,8 +343,9 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
     d.text((L, 12), title, fill="black")
     d.rectangle([L, T, W - R, H - B], outline="black")
     pids = sorted({p for r in rows for p in r["rss_kb"]})
-    hi = max((kb for r in rows for kb in r["rss_kb"].values()), default=1) / 1024 * 1.1
-    xmax = max((r["t"] for r in rows), default=1) or 1
+    every = rows + (base or [])
+    hi = max((kb for r in every for kb in r["rss_kb"].values()), default=1) / 1024 * 1.1
+    xmax = max((r["t"] for r in every), default=1) or 1
     for i in range(0, 6):
         y = H - B - (H - B - T) * i / 5
         d.line([L, y, W - R, y], fill=(230, 230, 230))
@@ -359,6 +361,14 @@ def plot(rows: list[dict], path: str, title: str) -> str | None:
             d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=c)
         d.line([W - 230, 18 + 12 * k, W - 205, 18 + 12 * k], fill=c, width=3)
         d.text((W - 200, 12 + 12 * k), f"RSS, process {k + 1}", fill="black")
+    for k, pid in enumerate(sorted({p for r in base or () for p in r["rss_kb"]})):
+        pts = [(L + (W - R - L) * r["t"] / xmax, H - B - (H - B - T) * r["rss_kb"][pid] / 1024 / hi)
+               for r in base if pid in r["rss_kb"]]
+        if len(pts) > 1:
+            d.line(pts, fill=(150, 150, 150), width=2)
+        y = 18 + 12 * (len(pids) + k)
+        d.line([W - 230, y, W - 205, y], fill=(150, 150, 150), width=2)
+        d.text((W - 200, y - 6), f"RSS, process {k + 1}, kvsan off", fill="black")
     for i in range(0, 5):
         x = L + (W - R - L) * i / 4
         d.text((x - 10, H - B + 6), f"{xmax * i / 4 / 60:.0f}", fill="black")
@@ -380,7 +390,16 @@ def main(argv=None) -> int:
                     help="the same traffic without kvsan (the baseline's memory and throughput)")
     ap.add_argument("--baseline", default=None,
                     help="soak.json of an --off run: judge kvsan's share of the memory too")
+    ap.add_argument("--judge", default=None, metavar="SOAK_JSON",
+                    help="judge, tabulate and plot a run's record again instead of running")
     args = ap.parse_args(argv)
+    if args.judge:
+        with open(args.judge) as f:
+            rec = json.load(f)
+        for r in rec["rows"]:
+            r["rss_kb"] = {int(k): kb for k, kb in r["rss_kb"].items()}
+        return _report(rec["rows"], args, rec.get("args", {}).get("minutes", args.minutes),
+                       os.path.dirname(os.path.abspath(args.judge)), rec.get("exit", 0))
     if args.minutes <= 0 or args.every <= 0:
         ap.error("--minutes and --every must be positive")
     out = args.out or tempfile.mkdtemp(prefix="kvsan-soak-")
@@ -428,7 +447,14 @@ def main(argv=None) -> int:
             proc.kill()
             proc.wait()
             raise
+    return _report(rows, args, args.minutes, out, rc)
+
+
+def _report(rows: list[dict], args, minutes: float, out: str, rc: int) -> int:
+    """Judge, tabulate and plot ``rows`` into ``out`` (soak.json, soak.md,
+    soak.png); the exit status."""
     v = verdict(rows, args.flat)
+    base = None
     if args.baseline:
         with open(args.baseline) as f:
             base = json.load(f)["rows"]
@@ -439,15 +465,21 @@ def main(argv=None) -> int:
               f"{'HOLDS' if v['baseline']['holds'] else 'FAILS'}: {v['baseline']['why']}")
     md = table(rows)
     png = plot(rows, os.path.join(out, "soak.png"),
-               f"kvsan soak: {args.minutes:g} min, RSS over time") if rows else None
+               f"kvsan soak: {minutes:g} min, RSS over time", base) if rows else None
     with open(os.path.join(out, "soak.json"), "w") as f:
-        json.dump({"args": vars(args), "rows": rows, "verdict": v, "exit": rc}, f)
+        json.dump({"args": {k: v_ for k, v_ in vars(args).items() if k != "judge"},
+                   "rows": rows, "verdict": v, "exit": rc}, f)
     with open(os.path.join(out, "soak.md"), "w") as f:
         f.write(md + "\n")
     print("\n" + md + "\n")
     print(f"soak: {'HOLDS' if v['holds'] else 'FAILS'}: {v['why']}; plot {png}; "
           f"record {os.path.join(out, 'soak.json')}")
-    return 0 if v["holds"] and rc == 0 else 1
+    if base is None:
+        return 0 if v["holds"] and rc == 0 else 1
+    # against a baseline, memory is judged by kvsan's share; the rest as before
+    last = rows[-1] if rows else {}
+    clean = rows and not last["violations"] and not last["own_errors"]
+    return 0 if v["baseline"]["holds"] and clean and rc == 0 else 1
 
 
 if __name__ == "__main__":
