@@ -38,7 +38,9 @@ def install(rt) -> None:
     import atexit
     import shutil
 
-    d = tempfile.mkdtemp(prefix="kvsan-abort-")
+    global _own_dir, _own_pid
+    d = _own_dir = tempfile.mkdtemp(prefix="kvsan-abort-")
+    _own_pid = os.getpid()
     os.environ[ENV] = os.path.join(d, "aborted")
     atexit.register(shutil.rmtree, d, True)
     import wrapt
@@ -46,7 +48,18 @@ def install(rt) -> None:
     wrapt.register_post_import_hook(_watch, _MODULE)
 
 
+#: the directory this front end made for its engines' file, and its pid (a
+#: forked child inherits both: it is not that front end)
+_own_dir: str | None = None
+_own_pid: int | None = None
+
+
 def _mark() -> None:
+    if _own_dir is not None and _own_pid == os.getpid():  # (the front end aborts: in-process)
+        import shutil
+
+        shutil.rmtree(_own_dir, True)
+        return
     path = os.environ.get(ENV)
     if path:
         with open(path, "w") as f:
@@ -88,4 +101,7 @@ def _exit_if_aborted() -> None:
             rt.reporter.close()
         except Exception:  # noqa: BLE001 - the exit status is what matters now
             pass
+    import shutil
+
+    shutil.rmtree(os.path.dirname(path), True)
     os._exit(ABORT_EXIT_CODE)
