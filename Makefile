@@ -52,11 +52,12 @@ bench: setup
 
 # kvsan's memory over a long run (benchmarks/soak.py): 30 minutes of mixed
 # traffic on the real engine (shared prefixes, cancels, preemption, LoRA,
-# salts), log mode, a sample every 60 s; holds when every process's memory
-# is flat after warm-up (<= 5% over the last 20 minutes) and nothing is
-# reported.  Table, record and PNG in .kvsan-cache/soak/
+# salts), log mode, a sample every 60 s, beside the same traffic without
+# kvsan; holds when kvsan's share of the memory is flat after warm-up (<= 5%
+# over the last 20 minutes) and nothing is reported (each process's own
+# growth is reported too).  Table, record and PNG in .kvsan-cache/soak/
 soak: setup
-	.venv/bin/python -m benchmarks.soak --minutes 30 --out .kvsan-cache/soak
+	.venv/bin/python -m benchmarks.soak --minutes 30 --side-by-side --out .kvsan-cache/soak
 
 # vLLM's own tests/v1/core from its pinned source archive, run without and with
 # kvsan (KVSAN_MODE=raise) against an installed engine; prints and writes

@@ -1,8 +1,9 @@
 """``make soak``: mixed traffic on the real engine for a long time, kvsan on
 in log mode, and evidence that nothing grows.
 
-    .venv/bin/python -m benchmarks.soak --minutes 30          # what `make soak` runs
+    .venv/bin/python -m benchmarks.soak --minutes 30 --side-by-side   # `make soak`
     .venv/bin/python -m benchmarks.soak --minutes 3 --every 10
+    .venv/bin/python -m benchmarks.soak --judge DIR/soak.json --baseline DIR/off/soak.json
 
 The engine (the tiny model, in-process: front end, EngineCore and worker in
 one child process, so kvsan's tables are read where they live) serves a
@@ -19,8 +20,12 @@ identity audit's records, the report files), requests served, cancelled
 and preempted, tokens, violations.  The run holds when, after warm-up (the
 first third of the run), memory is flat -- RSS at the end at most
 ``--flat`` (5%) above RSS at the start of the window, for every process --
-and kvsan reported no violation.  The table, the verdict, a JSON record and
-a PNG of memory over time are written (``--out``).
+and kvsan reported no violation.  The engine's own memory may grow too
+(vLLM's caches, the allocator): ``--side-by-side`` serves the same traffic
+without kvsan at the same time (``--off`` alone runs only that), and memory
+is then judged by kvsan's share, the difference between the two at equal
+requests served.  The table, the verdict, a JSON record and a PNG of memory
+over time are written (``--out``).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import random
 import sys
 import tempfile
+import threading
 import time
 
 SAMPLE = "KVSAN_SOAK "
@@ -390,6 +396,9 @@ def main(argv=None) -> int:
                     help="the same traffic without kvsan (the baseline's memory and throughput)")
     ap.add_argument("--baseline", default=None,
                     help="soak.json of an --off run: judge kvsan's share of the memory too")
+    ap.add_argument("--side-by-side", action="store_true",
+                    help="also run the same traffic without kvsan at the same time (in off/ "
+                         "under --out) and judge memory by kvsan's share of it")
     ap.add_argument("--judge", default=None, metavar="SOAK_JSON",
                     help="judge, tabulate and plot a run's record again instead of running")
     args = ap.parse_args(argv)
@@ -404,34 +413,44 @@ def main(argv=None) -> int:
         ap.error("--minutes and --every must be positive")
     out = args.out or tempfile.mkdtemp(prefix="kvsan-soak-")
     os.makedirs(out, exist_ok=True)
-    report = os.path.join(out, "report") + os.sep
-    os.makedirs(report, exist_ok=True)
+    runs = [("off" if args.off else "on", out)]
+    if args.side_by_side and not args.off:
+        runs.append(("off", os.path.join(out, "off")))
+    print(f"soak: {args.minutes:g} min of mixed traffic on the tiny model, "
+          + " and ".join("kvsan off" if k == "off" else "kvsan in log mode" for k, _ in runs)
+          + (" side by side" if len(runs) > 1 else "") + f"; output in {out}", flush=True)
+    got = {}
+    threads = [threading.Thread(target=lambda k=k, d=d: got.__setitem__(k, _run(args, k, d)))
+               for k, d in runs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if len(runs) > 1:
+        rows_off, rc_off = got["off"]
+        _report(rows_off, argparse.Namespace(**{**vars(args), "baseline": None}), args.minutes,
+                runs[1][1], rc_off)
+        args.baseline = os.path.join(runs[1][1], "soak.json")
+    rows, rc = got[runs[0][0]]
+    return _report(rows, args, args.minutes, out, rc)
+
+
+def _run(args, kind: str, out: str) -> tuple[list[dict], int]:
+    """One engine child (``kind`` "on": kvsan in log mode; "off": without
+    kvsan) serving the traffic; its samples, as they come, and its status."""
+    import subprocess
+
     from kvsan.harness import enginedrive as ed
 
-    env = ed.child_env(not args.off, report)
+    os.makedirs(out, exist_ok=True)
+    report = os.path.join(out, "report") + os.sep
+    os.makedirs(report, exist_ok=True)
+    env = ed.child_env(kind == "on", report)
     env.pop("KVSAN_AUDIT_EVERY", None)  # staging's defaults: the idle audit only
     spec = {"minutes": args.minutes, "every": args.every, "seed": args.seed,
             "num_blocks": args.num_blocks, "work": out, "report": report,
-            "kvsan": not args.off}
+            "kvsan": kind == "on"}
     rows: list[dict] = []
-
-    def on_line(line: str) -> None:
-        got = ed.read_marked(line, SAMPLE)
-        if got is None:
-            return
-        if "error" in got:
-            print(f"soak: {got['error']}", file=sys.stderr)
-            return
-        got["rss_kb"] = {int(k): v for k, v in got["rss_kb"].items()}
-        rows.append(got)
-        print(f"soak: {got['t'] / 60:5.1f} min  RSS {sum(got['rss_kb'].values()) / 1024:.0f} MiB  "
-              f"served {got['served']}  shadow entries {got['shadow_entries']}  "
-              f"violations {got['violations']}", flush=True)
-
-    print(f"soak: {args.minutes:g} min of mixed traffic on the tiny model, "
-          f"{'kvsan off' if args.off else 'kvsan in log mode'}; output in {out}", flush=True)
-    import subprocess
-
     with open(os.path.join(out, "engine.log"), "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "benchmarks.soak", "--child"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -441,13 +460,24 @@ def main(argv=None) -> int:
         proc.stdin.close()
         try:
             for line in proc.stdout:
-                on_line(line)
+                s = ed.read_marked(line, SAMPLE)
+                if s is None:
+                    continue
+                if "error" in s:
+                    print(f"soak ({kind}): {s['error']}", file=sys.stderr)
+                    continue
+                s["rss_kb"] = {int(k): v for k, v in s["rss_kb"].items()}
+                rows.append(s)
+                print(f"soak ({kind}): {s['t'] / 60:5.1f} min  "
+                      f"RSS {sum(s['rss_kb'].values()) / 1024:.0f} MiB  served {s['served']}  "
+                      f"shadow entries {s['shadow_entries']}  violations {s['violations']}",
+                      flush=True)
             rc = proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
-    return _report(rows, args, args.minutes, out, rc)
+    return rows, rc
 
 
 def _report(rows: list[dict], args, minutes: float, out: str, rc: int) -> int:
