@@ -108,15 +108,16 @@ def test_campaign_with_a_fault_writes_a_reproducer(tmp_path):
     """The command with a built-in fault: exit 1, one JSON line per finding
     (kind, blocks, call site, reproducer), and the reproducer shows the
     harm with kvsan off and the violation with kvsan on."""
-    r = _fuzz(tmp_path, "--inject", "double_unref_on_abort", "--seed", "3", seconds=8)
+    r = _fuzz(tmp_path, "--inject", "touch_without_ref", "--seed", "3", seconds=20)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "execs" in r.stdout and "coverage" in r.stdout
     lines = [json.loads(x) for x in open(tmp_path / "out.json")]
     assert lines and all({"kind", "blocks", "site", "reproducer"} <= set(x) for x in lines)
-    # (the fault frees a shared prefix twice: a free under live owners, and
-    # with it double releases, underflows, a corrupt free queue)
+    # (a prefix hit that takes no reference: the hit blocks go back to the
+    # free queue under their readers; with it underflows, mismatches)
     lifetime = {"free_with_live_owners", "double_release", "refcount_underflow",
-                "free_queue_corruption", "reuse_with_live_owners", "evict_with_live_owners"}
+                "refcount_mismatch", "free_queue_corruption", "reuse_with_live_owners",
+                "evict_with_live_owners"}
     mine = sorted((x for x in lines if x["kind"] in lifetime and x["reproduced"]),
                   key=lambda x: x["kind"] != "free_with_live_owners")
     assert mine and mine[0]["blocks"], [(x["kind"], x["site"], x["reproduced"]) for x in lines]

@@ -153,7 +153,7 @@ def report(found: list[dict], args, say) -> list[dict]:
             replay.write(path, prog, fault, key[0], key[1], args.target)
             rec = {"kind": key[0], "blocks": blocks, "site": key[1], "reproducer": path,
                    "operations": len(prog["ops"]), "reproduced": reproduced,
-                   "fault": fault}
+                   "fault": fault, "found_after_s": f.get("t")}
             results.append(rec)
             say(f"  {key[0]} at {key[1]}: blocks {blocks}, {len(prog['ops'])} operations "
                 f"-> {path}" + ("" if reproduced else " (did not reproduce on its own)"))

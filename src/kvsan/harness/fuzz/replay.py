@@ -66,9 +66,60 @@ def _run(program: dict, fault: str | None, kvsan_on: bool, target: str):
         return execute(program, check_harm=not kvsan_on)
 
 
+def _phases_apart(kind: str, site: str) -> int:
+    """The engine target: each phase in a process of its own (vLLM loads
+    its plugins once per process, when the engine boots)."""
+    import subprocess
+    import sys
+
+    ok = {}
+    for phase in ("off", "on"):
+        env = dict(os.environ, KVSAN_FUZZ_PHASE=phase, KVSAN="1" if phase == "on" else "0",
+                   KVSAN_LOG="0", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        r = subprocess.run([sys.executable, sys.argv[0]], env=env, capture_output=True,
+                           text=True)
+        lines = [x for x in r.stdout.splitlines() if x.startswith(("==", "   "))]
+        print("\n".join(lines))
+        ok[phase] = r.returncode == 0
+    good = ok["off"] and ok["on"]
+    print(f"== {'reproduced' if good else 'NOT reproduced'}: {kind} at {site}")
+    return 0 if good else 1
+
+
+def _engine_phase(program, fault, kind, site, phase: str) -> int:
+    from . import findings
+    from .engine import EngineTarget
+
+    if phase == "off":
+        print(f"== kvsan off: {len(program['ops'])} operations")
+        with __import__("kvsan.harness.fuzz.faultctx", fromlist=["active"]).active(fault):
+            out = EngineTarget({}).execute(program)
+        harm = out.harm + ([f"vLLM raised {out.error[0]} at {out.error[1]}"] if out.error else [])
+        for h in harm:
+            print(f"   harm: {h}")
+        return 0 if harm else 1
+    from .worker import load_engine_plugins
+
+    print("== kvsan on")
+    load_engine_plugins()
+    with __import__("kvsan.harness.fuzz.faultctx", fromlist=["active"]).active(
+            fault, builtin_by_plugin=True):
+        got = findings.keys(EngineTarget({}).execute(program))
+    for (k, s), blocks in got.items():
+        print(f"   {k} at {s}: blocks {blocks}" + ("  <- this finding" if (k, s) == (kind, site)
+                                                   else ""))
+    return 0 if (kind, site) in got else 1
+
+
 def main(program: dict, fault: str | None, kind: str, site: str,
          target: str = "scheduler") -> int:
     import logging
+
+    if target == "engine":
+        phase = os.environ.get("KVSAN_FUZZ_PHASE")
+        if phase:
+            return _engine_phase(program, fault, kind, site, phase)
+        return _phases_apart(kind, site)
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     from ... import plugin

@@ -58,20 +58,21 @@ def main(spec_path: str) -> None:
     # vLLM's core instrumented before kvsan is installed: kvsan knows vLLM's
     # functions by their code objects (its owner frames), which Atheris
     # replaces when it instruments them
+    import vllm.v1.core.sched.async_scheduler  # noqa: F401 - loaded before instrumenting
+    import vllm.v1.core.sched.scheduler  # noqa: F401
+
+    for warm in (b"\x00" * 64, bytes(range(256))):
+        execute(program.decode(warm))  # (every lazily imported core module loaded)
+    sys.stderr.write(f"KVSAN_FUZZ instrumented {instrument_vllm_core()} functions\n")
+    load_engine_plugins()
     if spec["target"] == "engine":
-        from .engine import EngineTarget
+        from .engine import EngineTarget, _engines
 
         target = EngineTarget(spec)
         run, decode = target.execute, target.decode
+        _engines()  # (booted before the search starts)
     else:
-        import vllm.v1.core.sched.async_scheduler  # noqa: F401 - loaded before instrumenting
-        import vllm.v1.core.sched.scheduler  # noqa: F401
-
         run, decode = execute, program.decode
-        for warm in (b"\x00" * 64, bytes(range(256))):
-            run(decode(warm))  # (every lazily imported core module loaded)
-    sys.stderr.write(f"KVSAN_FUZZ instrumented {instrument_vllm_core()} functions\n")
-    load_engine_plugins()
     seen: set = set()
     out_f = open(spec["findings"], "a")
     ctx = faultctx.active(spec.get("fault"), builtin_by_plugin=True)

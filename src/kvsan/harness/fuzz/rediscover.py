@@ -1,0 +1,65 @@
+"""Time-to-find of the real-bug corpus: for each scheduler-level entry of
+``benchmarks/realbugs`` that applies to the installed vLLM, a campaign from
+an empty corpus with the bug switched on (``kvsan fuzz --realbug``), and the
+seconds into the search at which the first finding of an expected kind was
+made (and confirmed by its program alone).  Run from a kvsan checkout:
+
+    python -m kvsan.harness.fuzz.rediscover --seconds 120 [ID ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvsan.harness.fuzz.rediscover")
+    ap.add_argument("ids", nargs="*")
+    ap.add_argument("--seconds", type=float, default=120)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="one JSON line per entry here")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, os.getcwd())
+    from benchmarks.realbugs import ENTRIES
+    from benchmarks.realbugs.base import vllm_version
+
+    ver = vllm_version()
+    rows = []
+    for eid, e in ENTRIES.items():
+        if args.ids and eid not in args.ids:
+            continue
+        if e.level != "scheduler" or not e.applies_to(ver):
+            rows.append({"id": eid, "measured": False,
+                         "why": f"level {e.level}" if e.level != "scheduler"
+                         else f"does not apply to vLLM {ver}"})
+            continue
+        work = tempfile.mkdtemp(prefix=f"kvsan-rediscover-{eid}-")
+        out = os.path.join(work, "found.json")
+        r = subprocess.run([sys.executable, "-m", "kvsan.cli", "fuzz", "--target", "scheduler",
+                            "--seconds", str(args.seconds), "--seed", str(args.seed),
+                            "--realbug", eid, "--json", out, "--findings-dir",
+                            os.path.join(work, "found"), "--workdir", work,
+                            "--shrink-seconds", "20"], capture_output=True, text=True)
+        found = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
+        hits = [f for f in found if f["kind"] in e.expected_kinds and f["reproduced"]]
+        t = min((f["found_after_s"] for f in hits if f.get("found_after_s") is not None),
+                default=None)
+        row = {"id": eid, "measured": True, "seconds": args.seconds, "exit": r.returncode,
+               "expected": list(e.expected_kinds), "found_after_s": t,
+               "kinds_found": sorted({f["kind"] for f in found if f["reproduced"]})}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            for row in rows:
+                fh.write(json.dumps(row) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
