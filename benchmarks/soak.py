@@ -377,7 +377,8 @@ def plot(rows: list[dict], path: str, title: str, base: list[dict] | None = None
         d.text((W - 200, y - 6), f"RSS, process {k + 1}, kvsan off", fill="black")
     for i in range(0, 5):
         x = L + (W - R - L) * i / 4
-        d.text((x - 10, H - B + 6), f"{xmax * i / 4 / 60:.0f}", fill="black")
+        m = xmax * i / 4 / 60
+        d.text((x - 10, H - B + 6), f"{m:.1f}" if xmax < 300 else f"{m:.0f}", fill="black")
     d.text(((W - 40) // 2, H - 22), "minutes", fill="black")
     img.save(path)
     return path
