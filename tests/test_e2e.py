@@ -130,10 +130,15 @@ def assert_check_fails_closed(report, work, capfd, role):
     assert rc == 2 and "empty report: no kvsan record at all" in err and "KVSAN=1" in err, err
     assert verdict(work / "empty", "--allow-empty")[0] == 0
     assert verdict(work / "nowhere", "--allow-empty")[0] == 2
-    # a corrupt report: a record cut short
+    # a record cut short (the process killed in the middle of a write): a
+    # torn record, recognised and named, never taken for a record
     corrupt = copy_report(report, work / "corrupt")
     f = corrupt / os.path.basename(sorted(report.glob(f"kvsan-{role}-*.jsonl"))[0])
     f.write_text(f.read_text()[:-20])
+    rc, err = verdict(corrupt)
+    assert rc == 2 and "1 torn record(s), cut off in the middle of a write" in err, err
+    # a line that is not kvsan's at all
+    f.write_text(f.read_text() + "\nnot json\n")
     rc, err = verdict(corrupt)
     assert rc == 2 and "not a JSON line" in err, err
 

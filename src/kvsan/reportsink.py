@@ -32,6 +32,7 @@ stalled network mount, a SIGKILL in the middle of a write.  So:
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
@@ -49,6 +50,8 @@ MAX_PENDING = 10_000
 #: how long :meth:`JsonlSink.close` waits for queued records (an abort
 #: flushes its report before the process ends, within this bound)
 CLOSE_S = 5.0
+#: ... and at a normal exit (an engine's shutdown must not wait long on it)
+EXIT_S = 2.0
 #: a record longer than this drops its per-block ``details`` (the reader
 #: refuses lines over twice this: :data:`kvsan.reportfile.MAX_LINE`)
 MAX_RECORD_BYTES = 4 << 20
@@ -127,6 +130,17 @@ class _Writer:
                 self.cond.wait(left)
             return self.queued - self.done
 
+    def abandon(self) -> int:
+        """Give up on every queued line (the process is ending): returns how
+        many; the line being written, if any, counts among them, so a count
+        is never short (at worst it counts one that still reaches the file)."""
+        with self.cond:
+            n = self.queued - self.done
+            self.pending.clear()
+            self.done = self.queued
+            self.cond.notify_all()
+        return n
+
     def _run(self) -> None:
         while True:
             with self.cond:
@@ -136,7 +150,7 @@ class _Writer:
                 self.pending.clear()
             self.sink._write_now([line for _, line in batch])
             with self.cond:
-                self.done = batch[-1][0]
+                self.done = max(self.done, batch[-1][0])
                 if not self.pending:
                     self.stalled = False
                 self.cond.notify_all()
@@ -200,10 +214,15 @@ class JsonlSink:
         return w.drain(timeout)
 
     def close(self, timeout: float = CLOSE_S) -> None:
-        left = self.flush(timeout)
-        if left:
-            self._lose("stalled", f"{left} record(s) still queued for a stalled report "
-                                  f"write after {timeout:g} s at close", n=left, say="close")
+        self._give_up(timeout, "close")
+
+    def _give_up(self, timeout: float, when: str) -> None:
+        """Wait up to ``timeout`` for the queue; count what is left as lost."""
+        if self.flush(timeout) and self._writer is not None:
+            left = self._writer.abandon()
+            if left:
+                self._lose("stalled", f"{left} record(s) still queued for a stalled report "
+                                      f"write after {timeout:g} s at {when}", n=left, say=when)
 
     def forget_inherited(self) -> None:
         """In a forked child: never hand records to the parent's writer
@@ -219,7 +238,14 @@ class JsonlSink:
             self._pid = os.getpid()
             self._lock = threading.Lock()
             self._writer = _Writer(self)
+            atexit.register(self._at_exit, self._pid)
         return self._writer
+
+    def _at_exit(self, pid: int) -> None:
+        """At a normal exit: records still queued behind a stalled write get
+        :data:`EXIT_S` to reach the file, and are counted (said) if not."""
+        if pid == os.getpid():
+            self._give_up(EXIT_S, "exit")
 
     # -- the writer thread's side ---------------------------------------------
     def _target(self) -> str:
