@@ -79,6 +79,9 @@ def scheduler(num_blocks: int, *, async_scheduling: bool = False, spec=None,
             kv_connector_module_path="benchmarks.realbugs.connector")
     vcfg = VllmConfig(scheduler_config=sched_cfg, model_config=_model_config(),
                       cache_config=cache_cfg, device_config=DeviceConfig(device="cpu"), **kw)
+    # overlapping steps as on a GPU host (vLLM's CPU platform turns async
+    # scheduling off at config time; its scheduler side runs the same)
+    vcfg.scheduler_config.async_scheduling = async_scheduling
     cache_cfg.num_gpu_blocks = num_blocks
     cls = AsyncScheduler if async_scheduling else Scheduler
     return cls(vllm_config=vcfg, kv_cache_config=kv_config(num_blocks, spec),

@@ -7,13 +7,21 @@ fence as #45357 (``Scheduler._request_blocks_can_be_freed``), so the entry
 reverts that (derived); the trigger is a natural finish, not an abort."""
 
 from .base import Entry
+from .connector import StubConnector
 from .drive import BLOCK, block_ids, output, request, scheduler, tokens
 from .r04_async_consumer_free import ALL, ENTRY as _B1
 
 
 def trigger(run):
+    StubConnector.PLAN = {"load": {"N": 3 * BLOCK}, "delay_free": False}
+    try:
+        _trigger(run)
+    finally:
+        StubConnector.PLAN = {"load": {}, "delay_free": False}
+
+
+def _trigger(run):
     sched = scheduler(6, async_scheduling=True, connector="kv_consumer")  # 5 usable blocks
-    sched.defer_block_free = True  # what is_kv_consumer + max_concurrent_batches > 1 set
     sched.add_request(request("F", tokens(120, 2 * BLOCK + 14), max_tokens=2))
     sched.add_request(request("G", tokens(121, BLOCK + 4), max_tokens=40))
     so0 = sched.schedule()  # prefills (F samples its 1st token)
@@ -28,12 +36,12 @@ def trigger(run):
     if freed and "F" in so2.num_scheduled_tokens:
         run.fault(freed, ["F"])
     sched.add_request(request("N", tokens(122, 3 * BLOCK), max_tokens=2))
-    so3 = sched.schedule()  # N admitted while so2 (with F's row) still runs
+    so3 = sched.schedule()  # N's KV load admitted while so2 (with F's row) still runs
     run.driver_step += 1
     taken = sorted(set(block_ids(sched, "N")) & set(f_blocks)) if "N" in sched.requests else []
     if taken and "F" in so2.num_scheduled_tokens:
-        run.harm(f"N given blocks {taken} that in-flight step N+1 still writes for "
-                 f"finished F (its zombie row)")
+        run.harm(f"N's KV load given blocks {taken} that in-flight step N+1 still writes "
+                 f"for finished F (its zombie row)")
     sched.update_from_output(so2, output(sched, so2))
     sched.update_from_output(so3, output(sched, so3))
 
@@ -45,6 +53,6 @@ ENTRY = Entry(
     expected_kinds=["free_with_live_owners", "reuse_with_live_owners"],
     where="vllm/v1/core/sched/scheduler.py::Scheduler._request_blocks_can_be_freed",
     revert_how="derived (the immediate return, as #45357's entry)",
-    harm_what="a new request given blocks an in-flight step still writes",
+    harm_what="a KV load into blocks an in-flight step still writes",
     trigger=trigger, revertable=ALL, revert=_B1.revert,
 )
