@@ -42,7 +42,8 @@ def native(request, rt):
 
 
 def fenced_scheduler(tmp_path, num_blocks: int, window: int | None = None,
-                     role: str = "kv_consumer", overlap: bool = True, n: int = 8):
+                     role: str = "kv_consumer", overlap: bool = True, n: int = 8,
+                     connector: str = "ExampleConnector", module: str | None = None):
     """vLLM's ``AsyncScheduler`` with a KV connector of ``role`` (vLLM's
     ``ExampleConnector`` over ``tmp_path``), overlapping steps
     (``overlap``: async scheduling on, which vLLM's CPU platform turns off
@@ -61,7 +62,8 @@ def fenced_scheduler(tmp_path, num_blocks: int, window: int | None = None,
                                 is_encoder_decoder=False, enable_chunked_prefill=True,
                                 async_scheduling=True)
     cache_cfg = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-    kvt = KVTransferConfig(kv_connector="ExampleConnector", kv_role=role,
+    kvt = KVTransferConfig(kv_connector=connector, kv_role=role,
+                           kv_connector_module_path=module,
                            kv_connector_extra_config={"shared_storage_path": str(tmp_path)})
     vcfg = VllmConfig(scheduler_config=sched_cfg, model_config=_model_config(),
                       cache_config=cache_cfg, device_config=DeviceConfig(device="cpu"),
@@ -187,6 +189,55 @@ def test_a_fenced_free_is_legal(rt, tmp_path):
     sched = eng.sched
     assert tail not in table(sched, "B")  # vLLM held it until step 2's output
     eng.drain()
+    assert kinds_of(rt) == []
+    assert audit_scheduler(rt, sched) == 0
+
+
+def _delaying():
+    from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
+        ExampleConnector)
+
+    class DelayingConnector(ExampleConnector):
+        """vLLM's ExampleConnector whose save of a finished request completes
+        later (as a network connector's send does): it delays the free."""
+
+        def request_finished(self, request, block_ids):
+            return bool(block_ids), None
+    return DelayingConnector
+
+
+def __getattr__(name):  # (vLLM's connector factory imports it from here)
+    if name == "DelayingConnector":
+        return _delaying()
+    raise AttributeError(name)
+
+
+def test_a_connector_delayed_free_under_a_step_in_flight_is_legal(rt, tmp_path):
+    """A (kv_both: it loads and saves) stops on step 1's output while step 2
+    is in flight; the connector delays its free (``xfer:A``) and reports
+    the send finished with a later output, when vLLM frees the blocks."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvsan.hooks.vllm.allocator import _INFLIGHT, audit_scheduler
+
+    sched = fenced_scheduler(tmp_path, num_blocks=6, role="kv_both",
+                             connector="DelayingConnector", module="test_inflight")
+    assert sched in _INFLIGHT
+    eng = Overlap(sched)
+    sched.add_request(request("A", range(1, 21), max_tokens=8, stop=True))
+    eng.step()
+    eng.step()  # step 1's output stops A; its free is delayed
+    assert "A" in sched.requests and sched.requests["A"].is_finished()
+    sched.add_request(request("B", range(100, 140), max_tokens=3))
+    sent = set()
+    for _ in range(12):  # each finished send reported with the next output
+        eng.step()
+        done = {r for r, q in sched.requests.items() if q.is_finished()} - sent
+        if done:
+            eng.queue[-1][1].kv_connector_output = KVConnectorOutput(finished_sending=done)
+            sent |= done
+    eng.drain()
+    assert sent == {"A", "B"}
     assert kinds_of(rt) == []
     assert audit_scheduler(rt, sched) == 0
 
