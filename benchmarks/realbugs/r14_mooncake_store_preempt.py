@@ -87,7 +87,7 @@ ENTRY = Entry(
           "MooncakeStoreScheduler._reference_save_blocks",
     revert_how="derived (the per-job block reference dropped)",
     harm_what="blocks a store job reads handed to another request",
-    trigger=trigger, revertable=["0.32.0"],
+    trigger=trigger, revertable=["0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"],
     revert=source_revert(CLS, "_reference_save_blocks", [(
         "            self._pinned_saves[store_job_id] = (block_ids, self._num_workers)\n"
         "            pool.touch([pool.blocks[block_id] for block_id in block_ids])\n",
