@@ -1,5 +1,5 @@
 # The two commands of the README.  Both do all set-up on a fresh machine.
-.PHONY: demo test setup bench soak upstream-tests setup-3.12 test-3.12 test-3.12-fast
+.PHONY: demo test setup bench soak realbugs upstream-tests setup-3.12 test-3.12 test-3.12-fast
 
 setup:
 	./scripts/setup.sh
@@ -58,6 +58,14 @@ bench: setup
 # growth is reported too).  Table, record and PNG in .kvsan-cache/soak/
 soak: setup
 	.venv/bin/python -m benchmarks.soak --minutes 30 --side-by-side --out .kvsan-cache/soak
+
+# the real-bug corpus (benchmarks/realbugs, docs/realbugs.md): upstream vLLM
+# KV-cache bugs re-created on the installed release, each with its harm with
+# kvsan off, kvsan's verdict and a control on the fixed code; also on the
+# release venvs scripts/release_venv.sh built (KVSAN_VENVS); exit 1 when an
+# entry does not meet its expectation
+realbugs: setup
+	.venv/bin/python -m benchmarks.realbugs --releases auto --json .realbugs.jsonl
 
 # vLLM's own tests/v1/core from its pinned source archive, run without and with
 # kvsan (KVSAN_MODE=raise) against an installed engine; prints and writes

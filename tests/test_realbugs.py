@@ -85,3 +85,21 @@ def test_the_command_refuses_an_unknown_entry(capsys):
 
     assert main(["no-such-bug"]) == 2
     assert "unknown entry id(s) ['no-such-bug']; known:" in capsys.readouterr().err
+
+
+def test_the_command_writes_one_json_line_per_entry(tmp_path, capsys):
+    """``python -m benchmarks.realbugs --json PATH ID`` as docs/realbugs.md
+    shows it (its ``main``, in this process): the table on stdout, one JSON
+    line per entry, exit 0."""
+    import json
+
+    from benchmarks.realbugs.__main__ import main
+
+    out = tmp_path / "rows.jsonl"
+    assert main(["--json", str(out), "negative-block-count"]) == 0
+    printed = capsys.readouterr().out
+    assert "negative-block-count" in printed and "1/1 detected" in printed
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {"id", "upstream", "release", "harm", "expected_kinds", "kinds", "block_named",
+            "steps_to_detect", "detected", "control_violations"} <= set(row)
+    assert row["detected"] and row["control_violations"] == 0
