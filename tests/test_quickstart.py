@@ -346,3 +346,20 @@ def test_every_shown_command_runs_in_a_test_or_is_an_illustration():
     assert unrun == [], "\n".join(unrun)
     # the clean-venv install recorded by hand
     assert "pip install '/tmp/kvclone[cpu]'" in open(os.path.join(ROOT, "docs", "testing.md")).read()
+
+
+def test_vllm_model_inspection_subprocess_gets_no_kvsan():
+    """vLLM inspects a model class in ``python -m
+    vllm.model_executor.models.registry``, which loads vLLM's plugins: kvsan
+    stays out of it (its exporter would take the front end's port), and
+    installs in any other program."""
+    code = ("import runpy, sys, types, kvsan.plugin as p, kvsan\n"
+            "main = types.ModuleType('__main__')\n"
+            "main.__spec__ = types.SimpleNamespace(name=sys.argv[1])\n"
+            "sys.modules['__main__'] = main\n"
+            "p.register()\n"
+            "print('RUNTIME', kvsan.current_runtime() is not None)\n")
+    for name, want in (("vllm.model_executor.models.registry", "False"), ("myprogram", "True")):
+        out = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True,
+                             env=_env(KVSAN="1", KVSAN_LOG="0"), timeout=120)
+        assert f"RUNTIME {want}" in out.stdout, (name, out.stdout, out.stderr[-2000:])

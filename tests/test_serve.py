@@ -160,6 +160,14 @@ class Server:
     def owners(self):
         return json.loads(http_get(self.url + "/kvsan/owners"))
 
+    def fresh_owners(self):
+        """A snapshot taken after this call: the endpoint answers every
+        caller from one snapshot per ``MIN_INTERVAL_S``."""
+        from kvsan.hooks.vllm.owners import MIN_INTERVAL_S
+
+        time.sleep(MIN_INTERVAL_S + 0.1)
+        return self.owners()
+
     def log_tail(self, n=4000):
         with open(self.log, errors="replace") as f:
             return f.read()[-n:]
@@ -439,7 +447,7 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     assert metric(m, "vllm:prefix_cache_hits_total") > 0  # the prefixes really were shared
     assert violations(server.report) == []
     # the disconnects reached the scheduler as aborts
-    idle = server.owners()["engines"][0]
+    idle = server.fresh_owners()["engines"][0]
     assert {r["state"] for r in idle["owners"]} <= {"finished", "aborted"}
     # every request ended once.  A disconnect races the engine: a stream the
     # client dropped may already have finished there (vLLM coalesces the
@@ -468,7 +476,7 @@ def test_each_process_also_serves_its_own_exporter(server):
 
 def test_injected_fault_raises_the_violation_counter(server, prometheus):
     before = metric(server.metrics(), "kvsan_violations_total", kind="leaked_blocks")
-    ends0 = server.owners()["engines"][0]["recent_ends"]
+    ends0 = server.fresh_owners()["engines"][0]["recent_ends"]
     work = prompts(seed=2, groups=1, per_group=3)
     sent = aborted = 0
 
@@ -505,7 +513,7 @@ def test_injected_fault_raises_the_violation_counter(server, prometheus):
 
     # `kvsan owners`: the aborted requests still hold their blocks, and no
     # live owner holds them: orphans
-    doc = server.owners()["engines"][0]
+    doc = server.fresh_owners()["engines"][0]
     leakers = [r for r in doc["owners"] if FAULT_MARK in r["owner"] and r["state"] == "aborted"]
     assert len(leakers) == aborted, doc["owners"]
     assert all(r["leaked"] and r["live_blocks"] > 0 for r in leakers)
