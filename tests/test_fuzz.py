@@ -88,7 +88,7 @@ def _fuzz(tmp_path, *extra, seconds=4):
     return subprocess.run(
         [sys.executable, "-m", "kvsan.cli", "fuzz", "--target", "scheduler", "--seconds",
          str(seconds), "--json", str(tmp_path / "out.json"), "--findings-dir",
-         str(tmp_path / "found"), "--workdir", str(tmp_path / "w"), "--shrink-seconds", "15",
+         str(tmp_path / "found"), "--workdir", str(tmp_path / "w"), "--shrink-seconds", "8",
          *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
 
 
@@ -108,7 +108,7 @@ def test_campaign_with_a_fault_writes_a_reproducer(tmp_path):
     """The command with a built-in fault: exit 1, one JSON line per finding
     (kind, blocks, call site, reproducer), and the reproducer shows the
     harm with kvsan off and the violation with kvsan on."""
-    r = _fuzz(tmp_path, "--inject", "touch_without_ref", "--seed", "3", seconds=20)
+    r = _fuzz(tmp_path, "--inject", "touch_without_ref", "--seed", "3", seconds=12)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "execs" in r.stdout and "coverage" in r.stdout
     lines = [json.loads(x) for x in open(tmp_path / "out.json")]
