@@ -46,6 +46,10 @@ def main(argv=None) -> int:
         e = ENTRIES[i]
         if not e.applies_to(ver):
             continue
+        why = e.runnable_here()
+        if why:
+            print(f"  {e.id:28} {ver}  skipped: {why}", file=sys.stderr, flush=True)
+            continue
         row = run_entry(e)
         rows.append(row)
         print(f"  {row['id']:28} {row['release']}  {row['verdict']}  ({row['seconds']} s)",
@@ -91,7 +95,7 @@ def rows_main(argv) -> int:
     ver = vllm_version()
     with open(path, "w") as f:
         for i in ids:
-            if ENTRIES[i].applies_to(ver):
+            if ENTRIES[i].applies_to(ver) and not ENTRIES[i].runnable_here():
                 row = run_entry(ENTRIES[i])
                 print(f"  {row['id']:28} {row['release']}  {row['verdict']}  "
                       f"({row['seconds']} s)", file=sys.stderr, flush=True)

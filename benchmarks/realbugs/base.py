@@ -110,6 +110,19 @@ class Entry:
             return False
         return self.revertable is None or v in self.revertable
 
+    def runnable_here(self) -> str | None:
+        """Why this entry cannot run in this process (None: it can): an
+        engine-level entry needs an engine that starts here (vLLM's CPU
+        build; a CUDA build on a host without a GPU runs the scheduler
+        side only)."""
+        if self.level != "engine":
+            return None
+        from vllm.platforms import current_platform
+
+        if current_platform.is_unspecified():
+            return "the engine does not start here (no device vLLM detects)"
+        return None
+
     def carries(self, vllm_version: str) -> bool:
         return vllm_version.split("+")[0] in self.native
 
