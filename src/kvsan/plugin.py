@@ -171,9 +171,9 @@ def register() -> None:
     cfg = _config.from_env()
     if not cfg.enabled:
         return
-    from .hooks.vllm import bootstrap, carry_env_to_ray
+    from .hooks.vllm import carry_env_to_ray, processes
 
-    if bootstrap.helper_process():  # (vLLM's model inspection: no KV cache there)
+    if processes.helper_process():  # (vLLM's model inspection: no KV cache there)
         return
 
     carry_env_to_ray()

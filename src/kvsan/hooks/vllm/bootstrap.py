@@ -30,21 +30,6 @@ CLASSES = {
 _fired = False
 _said = False
 
-#: vLLM's helper programs that load its plugins but build no KV cache and
-#: serve nothing: its model-class inspection, run as ``python -m`` in a
-#: subprocess of the front end.  kvsan stays out of them (an exporter there
-#: would take the front end's ``KVSAN_METRICS_PORT`` port).
-HELPER_MAINS = ("vllm.model_executor.models.registry",)
-
-
-def helper_process() -> str | None:
-    """The module this process runs as ``__main__`` if it is one of
-    :data:`HELPER_MAINS`, else None."""
-    main = sys.modules.get("__main__")
-    name = getattr(getattr(main, "__spec__", None), "name", None)
-    return name if name in HELPER_MAINS else None
-
-
 def guard(module) -> None:
     """Wrap the ``__init__`` of each of ``module``'s KV-cache classes
     (idempotent)."""

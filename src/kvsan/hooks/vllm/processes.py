@@ -99,3 +99,18 @@ def api_server(name: str | None = None) -> int | None:
     if name is None:
         name = multiprocessing.current_process().name
     return _trailing(r"ApiServer_(\d+)", name)
+
+
+#: vLLM's helper programs that load its plugins but build no KV cache and
+#: serve nothing: its model-class inspection, run as ``python -m`` in a
+#: subprocess of the front end.  kvsan stays out of them (an exporter there
+#: would take the front end's ``KVSAN_METRICS_PORT`` port).
+HELPER_MAINS = ("vllm.model_executor.models.registry",)
+
+
+def helper_process() -> str | None:
+    """The module this process runs as ``__main__`` if it is one of
+    :data:`HELPER_MAINS`, else None."""
+    main = sys.modules.get("__main__")
+    name = getattr(getattr(main, "__spec__", None), "name", None)
+    return name if name in HELPER_MAINS else None
