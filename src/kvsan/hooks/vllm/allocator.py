@@ -1105,7 +1105,8 @@ class InFlight:
         #: the engine's overlap: steps beyond it are taken as processed
         #: (a step whose output never comes, e.g. a test's)
         self.cap = cap
-        #: (step, {rid: (written blocks, [(manager, first index, blocks)])})
+        #: (step, {rid: blocks it writes}, [(rid, manager, index of the
+        #: window's first block, that block, first index, blocks it reads)])
         self.steps: deque = deque()
         #: block id -> (the step it was freed under, its cache key then or
         #: None), watched for a reuse
@@ -1148,11 +1149,14 @@ class InFlight:
                                    or sh.hashes[b] is not key):
                     del self.watch[b]
                     ck.inflight_reused(step, b)
-        for step, entries in self.steps:
-            for rid, (_, windows) in entries.items():
-                for manager, lo, blocks in windows:
-                    self._window(ck, manager, step, rid, lo, blocks, evicted)
-        entries = {}
+        for step, _, windows in self.steps:
+            for rid, manager, i, first, lo, blocks in windows:
+                table = manager.req_to_blocks.get(rid)
+                # (the common case: its window has not moved past its first
+                # block; a request that ended was checked then)
+                if table is not None and not (i < len(table) and table[i] is first):
+                    self._window(ck, table, step, rid, lo, blocks, evicted)
+        written_by, windows = {}, []
         reqs = sched.requests
         managers = sched.kv_cache_manager.coordinator.single_type_managers
         for rid, n in so.num_scheduled_tokens.items():
@@ -1161,7 +1165,7 @@ class InFlight:
                 continue
             end = req.num_computed_tokens  # (advanced by this step's tokens)
             start = end - n
-            written, windows = [], []
+            written = []
             for m in managers:
                 table = m.req_to_blocks.get(rid)
                 if not table:
@@ -1172,23 +1176,18 @@ class InFlight:
                 skip = _skipped(m, start)
                 if skip is not None:  # a window: the step reads from its start on
                     lo = min(max(skip, 0) // bs, first)
-                    windows.append((m, lo, table[lo:hi]))
+                    for i in range(lo, hi):  # its first block (a null one is no block)
+                        if not table[i].is_null:
+                            windows.append((rid, m, i, table[i], lo, table[lo:hi]))
+                            break
                 written += table[first:hi]
-            entries[rid] = (written, windows)
-        if entries:
-            self.steps.append((rt.step, entries))
+            written_by[rid] = written
+        if written_by:
+            self.steps.append((rt.step, written_by, windows))
 
-    def _window(self, ck, manager, step, rid, lo, blocks, evicted) -> None:
-        """The blocks ``blocks`` (from index ``lo`` of ``rid``'s table in
-        ``manager``) that step ``step`` reads: any the request dropped."""
-        table = manager.req_to_blocks.get(rid)
-        if table is None:  # (the request ended: checked then)
-            return
-        k = 0
-        while k < len(blocks) and blocks[k].is_null:
-            k += 1
-        if k == len(blocks) or (lo + k < len(table) and table[lo + k] is blocks[k]):
-            return  # (the common case: its window has not moved past them)
+    def _window(self, ck, table, step, rid, lo, blocks, evicted) -> None:
+        """The blocks ``blocks`` (from index ``lo`` of ``rid``'s ``table``)
+        that step ``step`` reads: any the request dropped."""
         n = len(table)
         obs = [(b.block_id, b.ref_cnt) for i, b in enumerate(blocks, lo)
                if not b.is_null and (i >= n or table[i] is not b)
@@ -1206,11 +1205,11 @@ class InFlight:
     def ended(self, ck, rid: str) -> None:
         """After ``rid``'s release path: the blocks its steps in flight
         write (what they read for it is dropped with it)."""
-        for step, entries in self.steps:
-            got = entries.get(rid)
+        for step, written_by, _ in self.steps:
+            got = written_by.get(rid)
             if got is None:
                 continue
-            obs = [(b.block_id, b.ref_cnt) for b in got[0]
+            obs = [(b.block_id, b.ref_cnt) for b in got
                    if not b.is_null and b.block_id not in self.watch]
             if obs:
                 self._watch(ck, step, ck.inflight_released(step, rid, obs, ()))
