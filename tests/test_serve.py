@@ -366,9 +366,9 @@ def test_every_process_says_kvsan_is_installed(server):
     assert all(len(pids) == len(set(pids)) for pids in logged.values()), logged
     recorded = {(r["role"], r["pid"]) for r in read_records(server.report)
                 if r.get("event") == "kvsan.installed"}
-    # (the report may also hold a helper process vLLM runs with its output
-    # captured: its model-registry probe, a front end of its own)
-    assert {(role, pid) for role, pids in logged.items() for pid in pids} <= recorded
+    # (vLLM's model-inspection subprocess loads the plugins too: kvsan stays
+    # out of it, so the report holds these processes and no other)
+    assert {(role, pid) for role, pids in logged.items() for pid in pids} == recorded
     # (no process of the server built the KV cache without vLLM's plugin load)
     assert not [r for r in read_records(server.report) if r.get("event") == "kvsan.bootstrap"]
 
@@ -412,12 +412,19 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     # one long stream that stays until the spy has looked: on a fast host
     # the whole plan runs between two looks (84 engine steps in 0.2 s)
     with ThreadPoolExecutor(max_workers=1) as solo:
-        anchor = solo.submit(server.stream, work[0][1], 400, None, None, looked.is_set)
+        def anchors():
+            # (the endpoint answers from one snapshot a second: on a fast
+            # host a stream can end between two; another follows until seen)
+            ran = []
+            while not looked.is_set():
+                ran.append(server.stream(work[0][1], 400, None, None, looked.is_set))
+            return ran
+        anchor = solo.submit(anchors)
         with ThreadPoolExecutor(max_workers=8) as pool:
             results = list(pool.map(lambda a: server.stream(*a), plan))
         anchored = anchor.result()
     spy.join()
-    assert anchored[0] in ("done", "cancelled") and anchored[1] > 0, anchored
+    assert anchored and all(r in ("done", "cancelled") and n > 0 for r, n in anchored), anchored
     # a slow reader gets the rest of a stream merged into one chunk (vLLM
     # coalesces the deltas of a consumer that fell behind), so a stream may
     # end before the chunk it was to disconnect after
@@ -452,9 +459,9 @@ def test_clean_traffic_with_disconnects(server, prometheus):
     # every request ended once.  A disconnect races the engine: a stream the
     # client dropped may already have finished there (vLLM coalesces the
     # deltas of a slow reader), so it counts as finished, never the reverse
-    cancelled = sum(1 for r, _ in results + [anchored] if r == "cancelled")
+    cancelled = sum(1 for r, _ in results + anchored if r == "cancelled")
     ends = idle["recent_ends"]
-    assert set(ends) <= {"aborted", "finished"} and sum(ends.values()) == len(plan) + 1, ends
+    assert set(ends) <= {"aborted", "finished"} and sum(ends.values()) == len(plan) + len(anchored), ends
     assert 1 <= ends.get("aborted", 0) <= cancelled, (ends, cancelled)
     assert idle["pool"]["orphans"] == 0 and idle["pool"]["live_owned"] == 0
     cli = kvsan_owners(server, "--fail-on-orphans")
