@@ -67,7 +67,7 @@ ENTRY = Entry(
     where="vllm/v1/core/sched/scheduler.py::Scheduler._enqueue_waiting_request / schedule",
     revert_how="derived (the routing of block holders; the fix is a 15-hunk refactor)",
     harm_what="a request holding blocks that never runs, and a head that never fits",
-    trigger=trigger, revertable=["0.31.0", "0.32.0"], revert=_revert,
+    trigger=trigger, revertable=["0.31.0", "0.32.0", "0.33.0"], revert=_revert,
     expect="missed",
     miss_reason=("a liveness fault: nothing is freed, shared or reused wrongly and no "
                  "release path runs. Needs: an owner-age check (blocks held by a waiting "
