@@ -559,7 +559,7 @@ def test_dashboard_and_alerts_against_real_prometheus(server, prometheus):
         assert query(expr), f"dashboard panel {title!r}: no data for {expr}"
     rules = _alert_rules()
     assert {r["alert"] for r in rules} == {
-        "KvsanViolation", "KvsanLeakedBlocksGrowing", "KvsanInternalErrors"}
+        "KvsanViolation", "KvsanLeakedBlocksGrowing", "KvsanInternalErrors", "KvsanRecordsLost"}
     for r in rules:
         lhs, _, threshold = r["expr"].rpartition(" > ")
         assert threshold.strip() == "0", r["expr"]
@@ -573,6 +573,7 @@ def test_dashboard_and_alerts_against_real_prometheus(server, prometheus):
     wait_until(lambda: query('ALERTS{alertname="KvsanLeakedBlocksGrowing"}'), 60,
                "KvsanLeakedBlocksGrowing to match")
     assert not query('ALERTS{alertname="KvsanInternalErrors"}')
+    assert not query('ALERTS{alertname="KvsanRecordsLost"}')  # (the report was written)
 
 
 def test_kvsan_check_exits_1_on_the_served_report(server):
@@ -632,7 +633,7 @@ def test_promtool_checks_and_unit_tests_the_rules():
     chk = subprocess.run([promtool, "check", "rules", "alerts.yml"], cwd=EXAMPLES,
                          capture_output=True, text=True)
     assert chk.returncode == 0, chk.stdout + chk.stderr
-    assert "SUCCESS: 3 rules found" in chk.stdout + chk.stderr
+    assert "SUCCESS: 4 rules found" in chk.stdout + chk.stderr
     unit = subprocess.run([promtool, "test", "rules", "alerts_test.yml"], cwd=EXAMPLES,
                           capture_output=True, text=True)
     assert unit.returncode == 0, unit.stdout + unit.stderr
@@ -646,7 +647,8 @@ def test_dashboard_is_a_classic_importable_model():
     exprs = " ".join(e for _, e in _dashboard_queries())
     for name in ("kvsan_violations_total", "kvsan_live_owned_blocks",
                  "kvsan_cached_evictable_blocks", "kvsan_orphan_blocks",
-                 "vllm:prefix_cache_hits_total", "kvsan_overhead_seconds_total"):
+                 "vllm:prefix_cache_hits_total", "kvsan_overhead_seconds_total",
+                 "kvsan_records_lost_total"):
         assert name in exprs, name
     for p in dash["panels"]:
         assert p["datasource"]["uid"] == "${DS_PROMETHEUS}"
