@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     bad = [r for r in rows if not r["ok"]]
     counted = [r for r in rows if ENTRIES[r["id"]].counted]
     det = sum(r["detected"] for r in counted)
-    print(f"\n{len(rows)} runs ({len({r['id'] for r in counted})} bugs, "
+    nbugs = len({r["id"] for r in counted})
+    print(f"\n{len(rows)} runs ({nbugs} bug{'' if nbugs == 1 else 's'}, "
           f"{sorted({r['release'] for r in rows})}): {det}/{len(counted)} detected, "
           f"{len(bad)} not as expected; {time.perf_counter() - t0:.0f} s")
     return 1 if bad else 0
