@@ -103,3 +103,13 @@ def test_the_command_writes_one_json_line_per_entry(tmp_path, capsys):
     assert {"id", "upstream", "release", "harm", "expected_kinds", "kinds", "block_named",
             "steps_to_detect", "detected", "control_violations"} <= set(row)
     assert row["detected"] and row["control_violations"] == 0
+
+
+def test_the_command_lists_the_entries(capsys):
+    from benchmarks.realbugs import ENTRIES
+    from benchmarks.realbugs.__main__ import main
+
+    assert main(["--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in listed] == list(ENTRIES)
+    assert sum(e.counted for e in ENTRIES.values()) >= 15
