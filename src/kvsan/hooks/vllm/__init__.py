@@ -128,10 +128,11 @@ class Instrumentor:
         """Restore every method kvsan patched in vLLM."""
         from ... import hooks
         from ...report import BEFORE_ABORT
-        from . import engine, faults, identity, owners, quarantine, weights
+        from . import abort, engine, faults, identity, owners, quarantine, weights
 
         if engine.announce_end in BEFORE_ABORT:
             BEFORE_ABORT.remove(engine.announce_end)
+        abort.uninstall()
         faults.clear()  # (KVSAN_INJECT's fault: patched by kvsan, so removed with it)
         quarantine.uninstall()
         weights.uninstall()

@@ -43,9 +43,25 @@ def install(rt) -> None:
     _own_pid = os.getpid()
     os.environ[ENV] = os.path.join(d, "aborted")
     atexit.register(shutil.rmtree, d, True)
-    import wrapt
+    from ... import hooks
 
-    wrapt.register_post_import_hook(_watch, _MODULE)
+    hooks.when_imported(_watch, _MODULE)  # (kvsan's one registrar: uninstall forgets it)
+
+
+def uninstall() -> None:
+    """Give vLLM's ``EngineDeadError.__init__`` back and stop marking
+    aborts (:meth:`Instrumentor.uninstrument`)."""
+    from ...report import BEFORE_ABORT
+
+    if _mark in BEFORE_ABORT:
+        BEFORE_ABORT.remove(_mark)
+    cls = getattr(sys.modules.get(_MODULE), "EngineDeadError", None)
+    init = cls.__dict__.get("__init__") if cls is not None else None
+    if init is not None and getattr(init, "_kvsan_abort", False):
+        if init._kvsan_original is None:
+            del cls.__init__
+        else:
+            cls.__init__ = init._kvsan_original
 
 
 #: the directory this front end made for its engines' file, and its pid (a
@@ -77,6 +93,8 @@ def _watch(module) -> None:
         _exit_if_aborted()
 
     __init__._kvsan_abort = True
+    #: what uninstall restores (None: the class had no __init__ of its own)
+    __init__._kvsan_original = cls.__dict__.get("__init__")
     cls.__init__ = __init__
 
 
