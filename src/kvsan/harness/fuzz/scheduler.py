@@ -286,7 +286,10 @@ class SchedulerRun:
     def step(self, accept: int = 0) -> None:
         s = self.sched
         self.out.steps += 1
-        if s.has_requests() or self.loads or self.sending:
+        # (as EngineCore.step: the engine schedules only while the scheduler
+        # says it has work; an idle engine runs no step, so the worker
+        # reports nothing either)
+        if s.has_requests():
             so = s.schedule()
             self._track_connector()
             mro = self.output(so, accept)
@@ -359,7 +362,7 @@ class SchedulerRun:
         what an engine going idle does."""
         self.abort(self.live())
         for _ in range(64):
-            if not (self.sched.has_requests() or self.queue or self.loads or self.sending):
+            if not (self.sched.has_requests() or self.queue):
                 break
             self.step(0)
         if self.check_harm:
