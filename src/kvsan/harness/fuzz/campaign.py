@@ -32,10 +32,6 @@ def _check(args) -> str | None:
         return f"--seconds must be a positive number of seconds (got {args.seconds})"
     if importlib.util.find_spec("vllm") is None:
         return "kvsan fuzz drives vLLM's own scheduler and engine: vLLM is not installed here"
-    if importlib.util.find_spec("atheris") is None:
-        return ("kvsan fuzz needs Atheris, the coverage-guided engine it runs "
-                "(pip install 'kvsan[test]' or pip install atheris; wheels for CPython 3.11 "
-                "and earlier)")
     if args.inject and args.realbug:
         return "--inject and --realbug name one fault each: give one of them"
     from . import faultctx
@@ -43,6 +39,10 @@ def _check(args) -> str | None:
     why = faultctx.check(args.inject or (f"realbug:{args.realbug}" if args.realbug else None))
     if why:
         return why
+    if importlib.util.find_spec("atheris") is None:
+        return ("kvsan fuzz needs Atheris, the coverage-guided engine it runs "
+                "(pip install 'kvsan[test]' or pip install atheris; wheels for CPython 3.11 "
+                "and earlier)")
     if args.target == "engine":
         from .engine import unavailable
 
