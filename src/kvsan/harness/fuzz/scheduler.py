@@ -350,6 +350,8 @@ class SchedulerRun:
                     self.sched.reset_prefix_cache()
                 elif name == "reload":
                     self.versions[op[1]] += 1
+                if self.check_harm and name in ("abort", "reset"):
+                    self.harm(final=False)
             self.drain()
         except Exception as e:  # noqa: BLE001 - vLLM raising is a finding
             if not raised_in_vllm(e):
@@ -388,9 +390,20 @@ class SchedulerRun:
             if pool.blocks[bid].ref_cnt < n:
                 found.append(f"block {bid}: ref_cnt {pool.blocks[bid].ref_cnt} below its "
                              f"{n} holders")
+        for b in pool.blocks:
+            if b.ref_cnt < 0 and not b.is_null:
+                found.append(f"block {b.block_id}: ref_cnt {b.ref_cnt} below zero")
         q = pool.free_block_queue
         listed, node, tail = 0, q.fake_free_list_head.next_free_block, q.fake_free_list_tail
+        on_list: set[int] = set()
         while node is not None and node is not tail and listed <= len(pool.blocks):
+            if node.block_id in on_list:
+                found.append(f"block {node.block_id} twice on the free list")
+                break
+            on_list.add(node.block_id)
+            if node.ref_cnt > 0:
+                found.append(f"block {node.block_id} on the free list with ref_cnt "
+                             f"{node.ref_cnt} (reusable while referenced)")
             listed += 1
             node = node.next_free_block
         if listed != q.num_free_blocks:
