@@ -189,6 +189,15 @@ class SharedSnapshot:
             self._pending = None
 
 
+def _encoded(engines) -> bytes:
+    """The response body for one snapshot, encoded once however many
+    callers it answers (a poll then costs the server a lookup and a send)."""
+    import json
+
+    return json.dumps({"schema": SCHEMA, "engines": engines}, default=str,
+                      separators=(",", ":")).encode()
+
+
 class EndpointPlugin:
     """``vllm.endpoint_plugins`` entry point: ``GET /kvsan/owners``, behind the
     same API key as vLLM's own routes (vLLM's middleware guards ``/v1``
@@ -199,7 +208,7 @@ class EndpointPlugin:
 
     def attach_router(self, app) -> None:
         from fastapi import APIRouter, Request
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, Response
 
         router = APIRouter()
 
@@ -212,10 +221,10 @@ class EndpointPlugin:
             if shared is None:
                 return JSONResponse({"error": "no engine behind this server"}, status_code=503)
             try:
-                engines = await shared.get()
+                body = await shared.get()
             except Exception as e:  # noqa: BLE001
                 return JSONResponse({"error": f"{type(e).__name__}: {e}"}, status_code=500)
-            return JSONResponse({"schema": SCHEMA, "engines": engines})
+            return Response(content=body, media_type="application/json")
 
         # this module uses postponed annotations; FastAPI needs the class
         kvsan_owners.__annotations__ = {"request": Request}
@@ -228,8 +237,10 @@ class EndpointPlugin:
         state.kvsan_api_tokens = [hashlib.sha256(t.encode("utf-8")).digest()
                                   for t in api_tokens(args)]
         core = getattr(engine_client, "engine_core", None)
-        state.kvsan_owners = (SharedSnapshot(lambda: from_client(core))
-                              if core is not None else None)
+        async def take():
+            return _encoded(await from_client(core))
+
+        state.kvsan_owners = SharedSnapshot(take) if core is not None else None
 
 
 def endpoint_plugin() -> EndpointPlugin:
