@@ -171,7 +171,7 @@ def test_vllm_serve_data_parallel_api_servers_get_their_own_ports(tmp_path):
     both engines."""
     import signal
 
-    from test_serve import VLLM_CLI, free_port, http_get, wait_until
+    from test_serve import free_port, http_get, vllm_script, wait_until
 
     from kvsan.harness.tinymodel import ensure_tiny_model
 
@@ -183,7 +183,7 @@ def test_vllm_serve_data_parallel_api_servers_get_their_own_ports(tmp_path):
                VLLM_CPU_OMP_THREADS_BIND="0|1")
     for var in ("KVSAN_INJECT", "KVSAN_INJECT_ONLY", "PROMETHEUS_MULTIPROC_DIR"):
         env.pop(var, None)
-    cmd = [sys.executable, "-c", VLLM_CLI, "serve", ensure_tiny_model(), "--host", "127.0.0.1",
+    cmd = [vllm_script(), "serve", ensure_tiny_model(), "--host", "127.0.0.1",
            "--port", str(port), "--skip-tokenizer-init", "--dtype", "float32",
            "--block-size", "32", "--enable-prefix-caching", "--num-gpu-blocks-override", "24",
            "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "512",

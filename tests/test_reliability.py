@@ -375,20 +375,32 @@ def test_stalled_report_write_does_not_stall_the_step(kvsan_rt, baseline, fault,
                 assert rounds < 2000, "the FIFO never blocked the writer"
             assert sink.written < sink.submitted and sink.lost_total == 0
             got = bytearray()
+            done = threading.Event()
 
             def drain():
-                while True:
-                    chunk = os.read(reader, 1 << 16)
-                    if not chunk:
-                        return
-                    got.extend(chunk)
+                # (the sink opens the FIFO per batch: between two batches
+                # the reader sees an end of file, and reads on)
+                os.set_blocking(reader, False)
+                while not done.is_set():
+                    try:
+                        chunk = os.read(reader, 1 << 16)
+                    except BlockingIOError:
+                        chunk = None
+                    if chunk:
+                        got.extend(chunk)
+                    else:
+                        time.sleep(0.01)
 
             t = threading.Thread(target=drain, daemon=True)
             t.start()
             sink = settled(rt)
             assert sink.lost_total == 0 and lost_metric(rt) == {}
             n = sink.written
-        t.join(10)  # (the sink closed its end: the reader sees EOF)
+            deadline = time.monotonic() + 30
+            while got.count(b"\n") < n and time.monotonic() < deadline:
+                time.sleep(0.05)
+            done.set()
+        t.join(10)
     finally:
         os.close(reader)
     assert trace == want[:3] * rounds  # serving went on, as with a healthy disk

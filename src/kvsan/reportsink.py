@@ -91,6 +91,7 @@ class _Writer:
         self.queued = 0  # sequence number of the last queued line
         self.done = 0  # ... and of the last one the writer finished with
         self.stalled = False
+        self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kvsan-report", daemon=True)
         self.thread.start()
 
@@ -141,10 +142,18 @@ class _Writer:
             self.cond.notify_all()
         return n
 
+    def stop(self) -> None:
+        """End the thread once its queue is empty (the sink closed)."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify_all()
+
     def _run(self) -> None:
         while True:
             with self.cond:
                 while not self.pending:
+                    if self.stopping:
+                        return
                     self.cond.wait()
                 batch = list(self.pending)
                 self.pending.clear()
@@ -214,7 +223,13 @@ class JsonlSink:
         return w.drain(timeout)
 
     def close(self, timeout: float = CLOSE_S) -> None:
+        """Flush (within ``timeout``) and end the writer thread; a later
+        record starts another."""
         self._give_up(timeout, "close")
+        w = self._writer
+        if w is not None and self._pid == os.getpid():
+            w.stop()
+            self._writer = None
 
     def _give_up(self, timeout: float, when: str) -> None:
         """Wait up to ``timeout`` for the queue; count what is left as lost."""
