@@ -30,10 +30,6 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-BLOCK = 16
-PREFIX = [(7 * i) % 300 + 1 for i in range(3 * BLOCK)]
-
-
 # ----------------------------------------------------------------- helpers
 @contextlib.contextmanager
 def small_fs(path, size="256k"):
@@ -101,27 +97,13 @@ def lost_metric(rt) -> dict[str, float]:
     return out
 
 
-def request(rid, tail):
-    from vllm.sampling_params import SamplingParams
-    from vllm.v1.request import Request
-
-    from benchmarks.sched import _hasher
-
-    return Request(request_id=rid, prompt_token_ids=PREFIX + tail,
-                   sampling_params=SamplingParams(max_tokens=4, ignore_eos=True),
-                   pooling_params=None, block_hasher=_hasher())
-
-
 def step(sched, trace):
-    from vllm_objects import model_runner_output
+    """One scheduler step, with the model's output as test_scheduler_paths
+    makes it."""
+    from test_scheduler_paths import model_output
 
     out = sched.schedule()
-    ids = list(out.num_scheduled_tokens)
-    sampled = []
-    for rid in ids:
-        r = sched.requests.get(rid)
-        sampled.append([5] if r is not None and r.num_computed_tokens >= r.num_tokens else [])
-    sched.update_from_output(out, model_runner_output(ids, sampled))
+    sched.update_from_output(out, model_output(sched, out))
     # (request ids without their round: every round is the same traffic)
     trace.append(sorted((rid[0], n) for rid, n in out.num_scheduled_tokens.items()))
 
@@ -133,6 +115,8 @@ def serve_round(trace, i: int):
     What it scheduled goes to ``trace`` (serving must be the same with and
     without kvsan's I/O fault)."""
     from vllm.v1.request import RequestStatus
+
+    from test_scheduler_paths import request
 
     from benchmarks.sched import make_scheduler
 
