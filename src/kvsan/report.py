@@ -10,7 +10,6 @@ is counted (:mod:`kvsan.reportsink`), and the mode acts on violations only.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time

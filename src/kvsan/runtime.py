@@ -153,8 +153,9 @@ def _say_metrics_off(exc: OSError) -> None:
     """One line: this process checks, but exports no ``kvsan_*`` series."""
     import sys
 
-    where = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(
-        "prometheus_multiproc_dir") or "the metrics registry"
+    from .exporter import multiproc_dir
+
+    where = multiproc_dir() or "the metrics registry"
     try:
         sys.stderr.write(f"kvsan: metrics off in pid {os.getpid()}: cannot write {where} "
                          f"({exc.strerror or exc}); checks and the report go on\n")
