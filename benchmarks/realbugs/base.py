@@ -24,6 +24,17 @@ def _vkey(ver: str) -> tuple[int, ...]:
     return tuple(int(p) for p in ver.split(".")[:3] if p.isdigit())
 
 
+
+def _stall_steps() -> int:
+    from kvsan.config import Config
+
+    return Config().stall_steps
+
+
+#: kvsan's default stall window (``KVSAN_STALL_STEPS``): a liveness entry's
+#: report comes that many steps after the engine stopped making progress
+STALL_STEPS = _stall_steps()
+
 @dataclass
 class Trial:
     """What one run of an entry's trigger saw.  ``harm``: what a user would
@@ -95,6 +106,11 @@ class Entry:
     revertable: list[str] | None = None
     expect: str = "detected"
     miss_reason: str = ""
+    #: steps from the faulty call within which the report must come (1: at
+    #: the call or the step after).  A stall is a fault of no single call:
+    #: kvsan reports it after ``KVSAN_STALL_STEPS`` steps without progress,
+    #: so a liveness entry allows that window (and says so)
+    detect_within: int = 1
     counted: bool = True  # False: the negative control
     #: kvsan settings for the run with kvsan on (``Config`` fields), beside
     #: ``enabled``; documented settings only (docs/configuration.md)

@@ -64,10 +64,4 @@ ENTRY = Entry(
     trigger=trigger, revertable=ALL,
     revert=source_revert("vllm.v1.core.sched.scheduler:Scheduler", "has_finished_requests",
                          _revert_edits),
-    expect="missed",
-    miss_reason=("the faulty call is has_requests() answering False: the engine stops "
-                 "stepping, so no step, idle audit (kvsan's idle is 'no request left') or "
-                 "grace-period sweep runs. Needs: an engine that stops stepping while a "
-                 "finished request still holds blocks (hook has_requests / the busy loop's "
-                 "idle wait) is a leak"),
 )

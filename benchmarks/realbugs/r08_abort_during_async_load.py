@@ -56,12 +56,6 @@ ENTRY = Entry(
     revert_how="derived (the immediate free)",
     harm_what="a new request given blocks a connector load still writes",
     trigger=trigger, revertable=ALL,
-    expect="missed",
-    miss_reason=("the aborted request is the blocks' only owner kvsan knows, so its free "
-                 "is legal to it; the connector's load writing into them is not an owner. "
-                 "Needs: an async load (allocate_external_computed_blocks until "
-                 "finished_recving) held as a lease on its destination blocks, so a free "
-                 "before the load reports done is free_with_live_owners"),
     # (the condition is still evaluated, for its side effects on 0.34, and ignored)
     revert=source_revert("vllm.v1.core.sched.scheduler:Scheduler", "finish_requests", [
         ("                delay_free_blocks = (\n",

@@ -8,7 +8,7 @@ the revert here is derived and minimal: block holders are queued with the
 others again (the two routing lines).  0.30 ships it (priority scheduling
 puts the head first there)."""
 
-from .base import Entry, source_revert
+from .base import STALL_STEPS, Entry, source_revert
 from .connector import StubConnector
 from .drive import BLOCK, block_ids, output, request, scheduler, tokens
 
@@ -44,7 +44,7 @@ def trigger(run):
         h.priority = 0
         sched.add_request(h)
         recv, ran = {"D"}, set()
-        for _ in range(10):
+        for _ in range(14):
             so = sched.schedule()
             run.driver_step += 1
             ran |= set(so.num_scheduled_tokens)
@@ -53,7 +53,7 @@ def trigger(run):
         if "D" in sched.requests and "D" not in ran:
             held = block_ids(sched, "D")
             run.fault(held, ["D"], step=1)
-            run.harm(f"D holds blocks {held} with its KV loaded and never runs in 10 steps "
+            run.harm(f"D holds blocks {held} with its KV loaded and never runs in 14 steps "
                      f"behind H (free {sched.kv_cache_manager.block_pool.get_num_free_blocks()})")
     finally:
         StubConnector.PLAN = {"load": {}, "delay_free": False}
@@ -68,9 +68,6 @@ ENTRY = Entry(
     revert_how="derived (the routing of block holders; the fix is a 15-hunk refactor)",
     harm_what="a request holding blocks that never runs, and a head that never fits",
     trigger=trigger, revertable=["0.31.0", "0.32.0", "0.33.0"], revert=_revert,
-    expect="missed",
-    miss_reason=("a liveness fault: nothing is freed, shared or reused wrongly and no "
-                 "release path runs. Needs: an owner-age check (blocks held by a waiting "
-                 "request that makes no progress for N steps while the scan stops at "
-                 "another), reported by request and state"),
+    # a stall: reported KVSAN_STALL_STEPS steps after progress stopped
+    detect_within=STALL_STEPS + 2,
 )

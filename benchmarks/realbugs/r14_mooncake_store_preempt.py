@@ -88,13 +88,6 @@ ENTRY = Entry(
     revert_how="derived (the per-job block reference dropped)",
     harm_what="blocks a store job reads handed to another request",
     trigger=trigger, revertable=["0.30.0", "0.31.0", "0.32.0", "0.33.0", "0.34.0"],
-    expect="missed",
-    miss_reason=("with the reference gone, the preempted request is the blocks' only "
-                 "owner kvsan knows: its free is legal to it, and the store job reading "
-                 "them is not an owner. Needs: a store job submitted from a request's "
-                 "blocks (build_connector_meta's save metadata) held as a lease until the "
-                 "worker reports it done, so their free is free_with_live_owners (and a "
-                 "checksum at submission and completion for the bytes)"),
     revert=source_revert(CLS, "_reference_save_blocks", [(
         "            self._pinned_saves[store_job_id] = (block_ids, self._num_workers)\n"
         "            pool.touch([pool.blocks[block_id] for block_id in block_ids])\n",

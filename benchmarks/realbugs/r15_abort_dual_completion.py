@@ -104,10 +104,4 @@ ENTRY = Entry(
     revert_how="present (unmodified)",
     harm_what="blocks a send still reads reused; the engine's scheduler then dies",
     trigger=trigger, fix=_fix,
-    expect="missed",
-    miss_reason=("kvsan holds a finished request's delayed free as one pending release; "
-                 "the first transfer's completion returns the blocks, legal in that "
-                 "model. Needs: each pending transfer of a finished request (receive, "
-                 "send) held as its own lease, so a free while one is pending is "
-                 "free_with_live_owners"),
 )

@@ -115,7 +115,7 @@ def run_entry(entry: Entry) -> dict:
         row["first"] = {"kind": first.kind, "blocks": first.blocks[:8], "owners": first.owners[:4],
                         "actor": first.actor, "step": first.step, "site": first.site}
     row["detected"] = bool(named) and row["steps_to_detect"] is not None \
-        and 0 <= row["steps_to_detect"] <= 1
+        and 0 <= row["steps_to_detect"] <= entry.detect_within
     harm_ok = off.harm is not None and ctl.harm is None
     control_ok = not ctl_got
     if entry.expect == "none":  # the negative control: silent on the buggy code too

@@ -34,6 +34,10 @@ class Config:
     #: steps a finished request may keep blocks on a legal delayed-free path
     #: (KV-connector transfer) before its blocks are reported as leaked.
     leak_grace_steps: int = 1000
+    #: scheduler steps in a row that schedule nothing, with nothing pending
+    #: outside the engine, after which requests holding blocks are reported
+    #: as stranded (a stall; 0: off)
+    stall_steps: int = 8
     #: emit structlog JSON lines on stderr (one per violation)
     log_events: bool = True
     #: device-side checksums of sealed blocks: "off", "all", or "sample"
@@ -142,6 +146,7 @@ def from_env(env=None) -> Config:
         strict=_flag(env, "KVSAN_STRICT"),
         audit_every=_int(env, "KVSAN_AUDIT_EVERY", 0),
         leak_grace_steps=_int(env, "KVSAN_LEAK_GRACE_STEPS", 1000),
+        stall_steps=_int(env, "KVSAN_STALL_STEPS", 8),
         log_events=_flag(env, "KVSAN_LOG") if env.get("KVSAN_LOG", "").strip() else True,
         checksum=checksum,
         checksum_sample=sample,

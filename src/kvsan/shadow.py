@@ -156,6 +156,12 @@ class ShadowTable:
         self.ended: dict[str, tuple[str, int]] = {}
         #: owners that are not requests (cow:, deferred:, pin:, anon:)
         self.nonrequest: set[str] = set()
+        #: block -> the transfers that hold it outside the engine's count
+        #: (a KV connector's load into it, a send or save from it): leases,
+        #: kept by :class:`~kvsan.checks.allocator.AllocatorChecker`.  Only
+        #: blocks with one; an adapter's fast path takes any event on them
+        #: to the checker.
+        self.leased: dict[int, list[str]] = {}
         #: the step counter (set by the checker); read only for new owners
         self.clock = _zero
         self._n_owned = 0
@@ -429,6 +435,7 @@ class ShadowTable:
                 "step": self.rel_step[b],
                 "site": self.sites[self.rel_site[b]],
             },
+            **({"leases": list(self.leased[b])} if b in self.leased else {}),
         }
 
     def state(self, b: int) -> str:

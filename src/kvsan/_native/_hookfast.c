@@ -94,7 +94,8 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_scheduled_new_reqs, *s_kv_cache_block_copies, *s_step_hits, *s_pending_sums,
     *s_scheduled_cached_reqs, *s_resumed_req_ids, *s_new_block_ids, *s_poison_on,
     *s_checksum, *s_sums, *s__tick, *s_SAMPLE_BATCH_STEPS, *s_pending_seal, *s_pending_guard,
-    *s_will_seal, *s_pending_release, *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
+    *s_will_seal, *s_pending_release, *s_every_step, *s_total_num_scheduled_tokens,
+    *s_config, *s_audit_every, *s_metrics, *s_metrics_due,
     *s_device_s, *s_input_batch, *s_num_reqs, *s_block_table, *s_block_tables,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__req_ids, *s_req_id_to_index, *s__fast,
     *s_rows_on, *s__row_order, *s_links,
@@ -1482,6 +1483,27 @@ sched_busy(PyObject *rt, PyObject *ck, PyObject *payload)
     return t;
 }
 
+/* 1 when the step goes to _schedule_ends anyway: a step that scheduled
+ * no token (``total_num_scheduled_tokens`` 0: the liveness check counts
+ * them), or a checker that watches every step (``every_step``: a
+ * scheduler with a KV connector, whose new loads are leased); 0 not; -1
+ * error */
+static int
+quiet_or_watched(PyObject *ck, PyObject *ret)
+{
+    int w = attr_truth(ck, s_every_step, 1);
+    if (w != 0) {
+        return w;
+    }
+    PyObject *n = PyObject_GetAttr(ret, s_total_num_scheduled_tokens);
+    if (n == NULL) {
+        return -1;
+    }
+    int z = PyLong_CheckExact(n) && PyObject_Not(n) == 1;
+    Py_DECREF(n);
+    return z;
+}
+
 /* K_SCHED: ``Scheduler.schedule()``, as the Python hook's _schedule runs
  * it: the runtime's step moved on before vLLM's method (its allocator
  * events are this step's), then the step journal taken into the
@@ -1520,6 +1542,9 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
         t0 = now();
         PyObject *payload = take_payload(rt, ck);
         int rest = payload == NULL ? -1 : sched_busy(rt, ck, payload);
+        if (rest == 0) {
+            rest = quiet_or_watched(ck, ret);
+        }
         if (rest == 0 && PyObject_SetAttr(ret, s_kvsan, payload) < 0) {
             rest = -1;
         }
@@ -2692,6 +2717,8 @@ PyInit__hookfast(void)
     INTERN(s_pending_seal, "pending_seal");
     INTERN(s_will_seal, "will_seal");
     INTERN(s_pending_release, "pending_release");
+    INTERN(s_every_step, "every_step");
+    INTERN(s_total_num_scheduled_tokens, "total_num_scheduled_tokens");
     INTERN(s_idle_audited, "idle_audited");
     INTERN(s_config, "config");
     INTERN(s_audit_every, "audit_every");

@@ -711,6 +711,7 @@ typedef struct {
     PyObject *held;      /* HeldMap: shadow.held */
     PyObject *ended;     /* dict: shadow.ended */
     PyObject *nonrequest; /* set: shadow.nonrequest */
+    PyObject *leased;    /* dict: shadow.leased (blocks under a transfer's lease) */
     PyObject *site_ids;  /* dict: call site -> interned id (shadow._site_ids) */
     Py_buffer nown, cached, acq_step, acq_site, rel_step, rel_site;
     unsigned char *seen; /* scratch: blocks already met in this call, a bit each */
@@ -770,6 +771,7 @@ Table_traverse(Table *self, visitproc visit, void *arg)
     Py_VISIT(self->held);
     Py_VISIT(self->ended);
     Py_VISIT(self->nonrequest);
+    Py_VISIT(self->leased);
     Py_VISIT(self->site_ids);
     return 0;
 }
@@ -791,6 +793,7 @@ Table_clear(Table *self)
     Py_CLEAR(self->held);
     Py_CLEAR(self->ended);
     Py_CLEAR(self->nonrequest);
+    Py_CLEAR(self->leased);
     Py_CLEAR(self->site_ids);
     for (int i = 0; i < SITE_CACHE; i++) {
         Py_CLEAR(self->site_key[i]);
@@ -853,6 +856,7 @@ Table_init(Table *self, PyObject *args, PyObject *kwds)
         {"held", &self->held, &HeldMapType},       {"_site_ids", &self->site_ids, &PyDict_Type},
         {"ended", &self->ended, &PyDict_Type},
         {"nonrequest", &self->nonrequest, &PySet_Type},
+        {"leased", &self->leased, &PyDict_Type},
     };
     for (size_t i = 0; i < sizeof(objs) / sizeof(objs[0]); i++) {
         PyObject *o = PyObject_GetAttrString(sh, objs[i].name);
@@ -1018,14 +1022,21 @@ special(Table *t, Py_ssize_t b)
     if (is_null_id(t, b)) {
         return 1;
     }
-    if (PySet_GET_SIZE(t->mism) == 0) {
+    int in_mism = PySet_GET_SIZE(t->mism) != 0;
+    int in_lease = t->leased != NULL && PyDict_GET_SIZE(t->leased) != 0;
+    if (!in_mism && !in_lease) {
         return 0;
     }
     PyObject *key = PyLong_FromSsize_t(b);
     if (key == NULL) {
         return -1;
     }
-    int r = PySet_Contains(t->mism, key);
+    /* a block with an unresolved count mismatch, or under a transfer's
+     * lease: the Python checker takes the event */
+    int r = in_mism ? PySet_Contains(t->mism, key) : 0;
+    if (r == 0 && in_lease) {
+        r = PyDict_Contains(t->leased, key);
+    }
     Py_DECREF(key);
     return r;
 }

@@ -21,7 +21,15 @@ Invariants:
   write a block handed on (a KV connector's loads), a step scheduled and not
   yet processed owns the blocks it reads and writes for its requests
   (``step:<n>``): none of them goes back to the free queue, or to a new
-  owner, before that step's output is processed (:meth:`inflight_released`).
+  owner, before that step's output is processed (:meth:`inflight_released`);
+* a transfer outside the engine's count (a KV connector's load into a
+  request's blocks, its send or a store job's read from them) holds them as a
+  lease (``load:<rid>``, ``send:<rid>``, ``store:<job>``) until it reports
+  done: none of them goes back to the free queue, or to a new owner, before
+  (:meth:`lease`);
+* an engine that stops stepping leaves no finished request holding blocks on
+  a delayed-free path (:meth:`on_engine_stops`), and one that keeps stepping
+  without progress does not strand requests holding blocks (:meth:`on_stall`).
 """
 
 from __future__ import annotations
@@ -91,6 +99,20 @@ class AllocatorChecker:
         self._end_value: tuple[str, int] = ("", -1)
         #: the status a delayed-free request finished with: rid -> reason
         self.pending_reasons: dict[str, str] = {}
+        #: transfers outside the engine's count: lease -> the blocks it
+        #: holds (the shadow's ``leased`` maps each block back), and the step
+        #: each began (:meth:`lease`)
+        self.leases: dict[str, list[int]] = {}
+        self.lease_since: dict[str, int] = {}
+        #: an adapter wants every step of this pool's scheduler, not only
+        #: those with more to do (a KV connector's new loads are leased at
+        #: the step's end); read by the native SCHED hook
+        self.every_step = False
+        #: the adapter's count of steps without progress
+        #: (:class:`~kvsan.checks.liveness.StallWatch`), made when first needed
+        self.stall = None
+        #: lease -> ranks yet to report that transfer done (an adapter's)
+        self.store_ranks: dict[str, int] = {}
         #: an engine adapter's fast path for clean events, or None (set by
         #: :meth:`use_fast`).  It applies an event to the table only after
         #: checking that this checker would find nothing wrong with it, and
@@ -158,12 +180,14 @@ class AllocatorChecker:
         sid = sh.site_id(site)
         counters = self._counters
         counters["allocated"] += len(obs)
-        null, nown, cached = sh.null, sh.nown, sh.cached
+        null, nown, cached, leased = sh.null, sh.nown, sh.cached, sh.leased
         fresh, evicted = [], []
         for b, ref in obs:
             if b in null:
                 continue
             fresh.append(b)
+            if leased and b in leased:
+                self._reuse_leased(b, owner, site)
             if cached[b]:
                 evicted.append(b)
             if nown[b]:
@@ -253,6 +277,8 @@ class AllocatorChecker:
         self._counters["released"] += len(obs)
         null, nown, mism = sh.null, sh.nown, self._mismatched
         rel_owner, rel_step, rel_site = sh.rel_owner, sh.rel_step, sh.rel_site
+        leased = sh.leased
+        told = ()  # blocks whose transfer this call's report already names
         for b, ref_before, linked_before, ref_after, linked_after in obs:
             if b in null:
                 continue
@@ -263,6 +289,8 @@ class AllocatorChecker:
                 if not releaser.startswith(XFER) and sh.is_owner(b, XFER + releaser):
                     # the request's connector transfer still holds the block
                     sh.remove_owner(b, XFER + releaser)
+                    told = told or set()
+                    told.add(b)
                     self._report(
                         kinds.FREE_WITH_LIVE_OWNERS,
                         f"{releaser} released block {b} while its KV connector transfer "
@@ -303,6 +331,9 @@ class AllocatorChecker:
                 live = sh.live_owners(b) if nown[b] else None
                 if live:
                     mism.add(b)  # the count gap is this same fault
+                if leased and b in leased and b not in told:
+                    live = (live or []) + leased[b]  # a transfer still reads or writes it
+                if live:
                     self._report(
                         kinds.FREE_WITH_LIVE_OWNERS,
                         f"block {b} returned to the free queue by {releaser} while "
@@ -336,6 +367,122 @@ class AllocatorChecker:
                     f"{src} handed over block {b}, which it does not hold",
                     [b], [src], src, site,
                 )
+
+    # -- transfers outside the engine's count --------------------------------
+    def lease(self, name: str, blocks: Iterable[int]) -> None:
+        """A transfer ``name`` reads or writes ``blocks`` outside the steps'
+        order and outside the engine's count (a KV connector's load into a
+        request's blocks, its send or a store job's read from them): it is a
+        live owner of each until :meth:`end_lease`.  It adds no reference,
+        so the table's counts stay the engine's; the check is where a block
+        goes back to the free queue (:meth:`on_release`) or to a new owner
+        (:meth:`on_allocate`).  A lease only protects: a transfer that never
+        reports done holds nothing (its request's blocks are the leak
+        checks' business) and ends after the grace period
+        (:meth:`sweep_leases`)."""
+        sh = self.shadow
+        null, leased = sh.null, sh.leased
+        got = self.leases.setdefault(name, [])
+        for b in blocks:
+            if b in null:
+                continue
+            holders = leased.get(b)
+            if holders is None:
+                leased[b] = [name]
+            elif name in holders:
+                continue
+            else:
+                holders.append(name)
+            got.append(b)
+        self.lease_since.setdefault(name, self.step())
+
+    def end_lease(self, name: str) -> None:
+        """Transfer ``name`` reported done: its blocks are the engine's again."""
+        blocks = self.leases.pop(name, None)
+        self.lease_since.pop(name, None)
+        if blocks:
+            self._unlease(name, blocks)
+
+    def _unlease(self, name: str, blocks: Iterable[int]) -> None:
+        leased = self.shadow.leased
+        for b in blocks:
+            holders = leased.get(b)
+            if holders and name in holders:
+                holders.remove(name)
+                if not holders:
+                    del leased[b]
+
+    def _reuse_leased(self, b: int, owner: str, site: str) -> None:
+        """Fresh block ``b``, handed to ``owner``, is still under a
+        transfer: the new owner's KV and the transfer's meet in it.  The
+        transfers' claims on it end with the report (the engine gave it
+        away; the free that let it go was reported where it happened)."""
+        holders = list(self.shadow.leased.get(b, ()))
+        self._report(
+            kinds.REUSE_WITH_LIVE_OWNERS,
+            f"block {b} handed to {owner} while {', '.join(holders)} (a KV transfer not "
+            "yet reported done) still reads or writes it",
+            [b], holders, owner, site,
+        )
+        for name in holders:
+            blocks = self.leases.get(name)
+            if blocks is not None and b in blocks:
+                blocks.remove(b)
+            self._unlease(name, (b,))
+
+    def sweep_leases(self, grace_steps: int) -> None:
+        """Leases older than the grace period end: a transfer the engine
+        never reported done (its report lost, or its request dropped) must
+        not turn the blocks' later, legal frees into reports."""
+        now = self.step()
+        for name in [n for n, since in self.lease_since.items() if now - since > grace_steps]:
+            self.end_lease(name)
+
+    # -- liveness -------------------------------------------------------------
+    def on_engine_stops(self, still_tracked, site: str) -> None:
+        """The scheduler answered that it has no work: the engine stops
+        stepping until a new request arrives.  A delayed free completes on a
+        step (the connector's "done" arrives with a step's output), so a
+        finished request still holding blocks on a delayed-free path keeps
+        them for as long as the engine is idle: each is a leak now
+        (``still_tracked``: the requests the engine still holds state for;
+        those it already let go are drained first)."""
+        if not self.pending_release:
+            return
+        self.drain_pending(still_tracked, site)
+        for rid in list(self.pending_release):
+            reason = self.pending_reasons.get(rid, "finished")
+            self.on_request_released(
+                rid, f"{reason}; the engine stopped stepping with its delayed free pending",
+                site)
+
+    def on_stall(self, holders: Sequence[tuple[str, str]], steps: int, free: int | None,
+                 site: str) -> None:
+        """The engine stepped ``steps`` times without progress (no token
+        scheduled, no request finished, no transfer done, none pending,
+        none waiting on anything outside the engine) while ``holders``
+        ((request, state)) hold blocks: none can run and none will let its
+        blocks go, so they are held for good (a deadlock under KV
+        pressure).  One report names every holder and every block."""
+        sh = self.shadow
+        blocks, owners, parts = [], [], []
+        for rid, state in holders:
+            held = sh.blocks_of(rid)
+            if not held:
+                continue
+            blocks += held
+            owners.append(rid)
+            parts.append(f"{rid} ({state}, {len(held)} block(s))")
+        if not owners:
+            return
+        free_txt = "" if free is None else f" with {free} free block(s)"
+        self._report(
+            kinds.LEAKED_BLOCKS,
+            f"the engine stepped {steps} times without progress{free_txt} while "
+            f"{', '.join(parts)} hold blocks none of them can run with: a stall; they are "
+            "never released",
+            sorted(set(blocks)), owners, owners[0], site,
+        )
 
     def table_still_references(self, owner: str, blocks: Sequence[int], site: str) -> None:
         """After ``owner``'s free ran, its block table still lists ``blocks``:

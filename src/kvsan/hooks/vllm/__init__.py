@@ -107,6 +107,9 @@ class Instrumentor:
             missing += lost
             _install_when_imported(rt, allocator.hisparse_targets, allocator._HISPARSE)
             _install_when_imported(rt, allocator.shutdown_targets, allocator._CORE)
+            from . import transfers
+
+            _install_when_imported(rt, transfers.store_targets, transfers._STORE)
             from . import identity, weights
 
             installed.extend(identity.install())

@@ -27,6 +27,7 @@ from ...journal import StepJournal
 from .. import Target, bind_args, call_context, call_site, guard_failed
 from .. import guard as _guard
 from ..contract import Contract
+from . import transfers
 from .processes import engine_index
 
 #: the releases kvsan was checked against (major.minor; tests/test_contract.py
@@ -391,7 +392,16 @@ def _scheduler_init(wrapped, instance, args, kwargs):
     rt = _rt._runtime
     if rt is not None and rt.role != "worker":
         _guard(rt, "in-flight steps", _fence_steps, instance)
+        _guard(rt, "transfers", _watch_connector, rt, instance)
     return ret
+
+
+def _watch_connector(rt, sched) -> None:
+    """A scheduler with a KV connector has each of its steps looked at
+    (:func:`transfers.after_schedule`: its new loads are leased)."""
+    ck = _scheduler_checker(rt, sched)
+    if ck is not None and getattr(sched, "connector", None) is not None:
+        ck.every_step = True
 
 
 def _confirm_engine(rt, vllm_config) -> None:
@@ -631,6 +641,9 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
         try:
             if ck.pending_release:
                 ck.sweep(rt.config.leak_grace_steps)
+            if (ck.every_step or ck.leases
+                    or getattr(ret, "total_num_scheduled_tokens", 1) == 0):
+                transfers.after_schedule(rt, sched, ck, ret)
             if rt.config.audit_every and rt.step % rt.config.audit_every == 0:
                 audit_scheduler(rt, sched)
             if rt.metrics is not None:
@@ -881,6 +894,7 @@ def _connector_holds(rt, sched, request) -> None:
             if not b.is_null and (b.pool is None or b.pool is ref):
                 ids.append(b.block_id)
     ck.on_connector_hold(rid, ids, "scheduler.py:_connector_finished (delayed free)")
+    transfers.on_delayed_free(ck, rid, ids)
 
 
 def _update_from_kv_xfer_finished(wrapped, instance, args, kwargs):
@@ -889,6 +903,9 @@ def _update_from_kv_xfer_finished(wrapped, instance, args, kwargs):
     request before the scheduler frees them (the legal late free)."""
     rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
+    if ck is not None and (ck.leases or ck.stall is not None):
+        _guard(rt, "_update_from_kv_xfer_finished", transfers.on_transfers_done, ck,
+               args[0] if args else kwargs["kv_connector_output"])
     if ck is not None and ck.connector_held:
         out = args[0] if args else kwargs["kv_connector_output"]
         for rid in (*(getattr(out, "finished_sending", None) or ()),
@@ -1359,6 +1376,7 @@ def targets() -> list[Target]:
                fast=("PREEMPT", _preempted)),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests,
                fast=("FINISH", _finished)),
+        *transfers.targets(),
     ]
 
 
@@ -1402,6 +1420,7 @@ CONTRACT = Contract(
         f"{_SCHED}:Scheduler._preempt_request": ("request",),
         f"{_SCHED}:Scheduler.finish_requests": ("request_ids",),
         f"{_CORE}:EngineCore.shutdown": (),
+        **transfers.METHODS,
     },
     attrs={
         "vllm.v1.core.kv_cache_utils:KVCacheBlock":
@@ -1411,6 +1430,7 @@ CONTRACT = Contract(
         f"{_KVM}:KVCacheManager": ("block_pool", "coordinator"),
         f"{_KVC}:KVCacheCoordinator": ("block_pool", "single_type_managers"),
         f"{_SCHED}:Scheduler": ("requests", "kv_cache_manager", "vllm_config"),
-        "vllm.v1.request:Request": ("request_id",),
+        "vllm.v1.request:Request": ("request_id", *transfers.ATTRS["vllm.v1.request:Request"]),
+        **{k: v for k, v in transfers.ATTRS.items() if k != "vllm.v1.request:Request"},
     },
 )

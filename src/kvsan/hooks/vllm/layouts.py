@@ -34,6 +34,7 @@ CONTRACT = Contract(
         "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager":
             ("req_to_blocks", "kv_cache_group_id", "block_pool"),
         "vllm.v1.core.kv_cache_coordinator:KVCacheCoordinator": ("block_pool",),
+        "vllm.v1.core.sched.output:SchedulerOutput": ("total_num_scheduled_tokens",),
     },
 )
 
