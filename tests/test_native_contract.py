@@ -33,7 +33,7 @@ __sizeof__ _fast _fed _last_batch _may_defer _n_cached_free _n_owned _np _reads 
 _row_order _row_sweep _runtime _site_ids _slots_view _tick _unhold _weakref acq_owner acq_site
 acq_step all allocate allocated append audit_every avx2 avx512dq avx512f block_size cache cached
 calls check_rows checked checksum checksums chunks config configure context counters
-current_owner data_ptr device_s direct drop dropped emb enable ended evicted extend extend_text
+current_owner data_ptr every_step leased device_s direct drop dropped emb enable ended evicted extend extend_text
 fast fill flush_overhead frames freed get guard guard_step guarded_tokens hashes held iOOOU
 identity identity_hits identity_record idle_audited ids internal items journal keys kind
 known_chain kvsan links lut metrics metrics_due mismatched mm more n nonrequest nown null
