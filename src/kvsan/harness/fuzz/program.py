@@ -60,6 +60,7 @@ def decode(data: bytes, engine: bool = False) -> dict:
         "seqs": (1, 2, 4, 8)[r.byte() % 4],
         "budget": (16, 32, 64, 256)[r.byte() % 4],
         "async": bool(r.byte() & 1),
+        "caching": r.byte() % 4 != 0,
     }
     spec = (0, 0, 1, 3)[r.byte() % 4]
     layout = LAYOUTS[r.byte() % 4]
@@ -71,23 +72,31 @@ def decode(data: bytes, engine: bool = False) -> dict:
         # update_draft_token_ids; a connector over several groups must
         # support them: the stub is a single-group one)
         cfg.update(spec=0 if cfg["async"] else spec, layout=layout,
-                   connector=connector and layout == "full")
+                   connector=connector and layout != "hybrid")
     ops: list[list] = []
     while r.left() > 0 and len(ops) < MAX_OPS:
-        code = r.byte() % 12
+        code = r.byte() % 14
         if code in (0, 1, 2):
-            op = ["add", r.byte() % FAMILIES, r.byte() % 6, r.byte() % BLOCK]
+            # (block edges are where KV-cache code turns: a prompt ending on
+            # one, one token short of one, or as long as a family's prefix)
+            op = ["add", r.byte() % FAMILIES, r.byte() % 6, _edge(r.byte(), BLOCK)]
             b = r.byte()
             op.append(r.byte() % 96 if b % 4 == 0 else -1)          # near-duplicate position
-            op.append(r.byte() % 24)                                  # own tail
-            op.append(1 + r.byte() % 16)                              # max_tokens
+            b = r.byte()
+            op.append(0 if b % 2 == 0 else b % 24)                    # own tail
+            op.append(1 + _edge(r.byte(), 16))                        # max_tokens
             b = r.byte()
             op.append(b % 3 if b % 4 == 3 else -1)                    # salt
             b = r.byte()
             op.append(b % 2 if b % 4 == 3 else -1)                    # adapter name
             b = r.byte()
             # connector: external blocks, async load, load fails, delayed free
-            op.append([b % 4, bool(b & 4), b & 24 == 24, bool(b & 32)] if cfg["connector"] else None)
+            kv = [b % 4, bool(b & 4), b & 24 == 24, bool(b & 32)] if cfg["connector"] else None
+            # a streaming-input session (resumable: it waits for its next
+            # segment when it stops); the stub plans no transfer for one
+            resumable = r.byte() % 4 == 1
+            op.append(None if resumable else kv)
+            op.append(resumable)
             ops.append(op)
         elif code in (3, 4, 5, 6):
             ops.append(["step", r.byte() % 4])  # draft tokens accepted
@@ -97,9 +106,42 @@ def decode(data: bytes, engine: bool = False) -> dict:
             ops.append(["abort", r.byte()])
         elif code == 10:
             ops.append(["reset"])
-        else:
+        elif code == 11:
             ops.append(["reload", r.byte() % 2])
+        else:
+            # a session's next segment (or, final, its end): which session,
+            # the segment's tokens (a family's prefix and a tail), max_tokens
+            b = r.byte()
+            ops.append(["update", r.byte(), r.byte() % FAMILIES, r.byte() % 4, r.byte() % 24,
+                        1 + r.byte() % 16, b % 8 == 7])
     return {"config": cfg, "ops": ops}
+
+
+def _edge(b: int, n: int) -> int:
+    """A number below ``n`` from byte ``b``: 0 or ``n - 1`` a quarter of
+    the time each, else any."""
+    return (0, n - 1, b % n, b % n)[(b >> 6) & 3]
+
+
+def segment(op: list, n: int) -> list[int]:
+    """The tokens of ``update`` operation ``op`` (the ``n``-th operation of
+    its program): a family's first blocks and a tail of its own."""
+    _, _, fam, blocks, tail = op[:5]
+    toks = list(FAMILY_TOKENS[fam][: blocks * BLOCK])
+    toks += [(n * 173 + 11 * j) % 449 + 1 for j in range(tail)]
+    return toks or [n % 449 + 1]
+
+
+def continuation(fam: int, pos: int) -> int:
+    """The token a synthetic model samples at position ``pos`` of a request
+    over family ``fam``: the family's own next token (as a chat turn's answer
+    reappears in the next turn's prompt), so later prompts hit blocks that
+    hold sampled tokens."""
+    if 0 <= fam < FAMILIES and pos < FAMILY_LEN:
+        return FAMILY_TOKENS[fam][pos]
+    return (pos * 7) % 449 + 1
+
+
 
 
 def prompt(op: list, n: int) -> list[int]:

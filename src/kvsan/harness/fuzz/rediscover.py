@@ -2,9 +2,10 @@
 ``benchmarks/realbugs`` that applies to the installed vLLM, a campaign from
 an empty corpus with the bug switched on (``kvsan fuzz --realbug``), and the
 seconds into the search at which the first finding of an expected kind was
-made (and confirmed by its program alone).  Run from a kvsan checkout:
+made (and confirmed by its program alone); the search stops there.  Run
+from a kvsan checkout:
 
-    python -m kvsan.harness.fuzz.rediscover --seconds 120 [ID ...]
+    python -m kvsan.harness.fuzz.rediscover --seconds 600 [ID ...]
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 
 def main(argv=None) -> int:
@@ -40,17 +42,23 @@ def main(argv=None) -> int:
             continue
         work = tempfile.mkdtemp(prefix=f"kvsan-rediscover-{eid}-")
         out = os.path.join(work, "found.json")
-        r = subprocess.run([sys.executable, "-m", "kvsan.cli", "fuzz", "--target", "scheduler",
-                            "--seconds", str(args.seconds), "--seed", str(args.seed),
-                            "--realbug", eid, "--json", out, "--findings-dir",
-                            os.path.join(work, "found"), "--workdir", work,
-                            "--shrink-seconds", "20"], capture_output=True, text=True)
+        spec = {"target": "scheduler", "seconds": args.seconds, "seed": args.seed,
+                "realbug": eid, "inject": None, "json": out, "corpus": None,
+                "findings_dir": os.path.join(work, "found"), "workdir": work,
+                "shrink_seconds": 20.0, "stop_on": list(e.expected_kinds)}
+        spec_path = os.path.join(work, "args.json")
+        json.dump(spec, open(spec_path, "w"))
+        t0 = time.monotonic()
+        r = subprocess.run([sys.executable, "-m", "kvsan.harness.fuzz.campaign", spec_path],
+                           capture_output=True, text=True,
+                           env=dict(os.environ, PYTHONHASHSEED="0"))
+        wall = round(time.monotonic() - t0, 1)
         found = [json.loads(x) for x in open(out)] if os.path.exists(out) else []
         hits = [f for f in found if f["kind"] in e.expected_kinds and f["reproduced"]]
         t = min((f["found_after_s"] for f in hits if f.get("found_after_s") is not None),
                 default=None)
         row = {"id": eid, "measured": True, "seconds": args.seconds, "exit": r.returncode,
-               "expected": list(e.expected_kinds), "found_after_s": t,
+               "expected": list(e.expected_kinds), "found_after_s": t, "wall_s": wall,
                "kinds_found": sorted({f["kind"] for f in found if f["reproduced"]})}
         rows.append(row)
         print(json.dumps(row), flush=True)

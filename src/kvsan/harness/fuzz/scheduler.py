@@ -20,7 +20,7 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 
-from .program import BLOCK, prompt
+from .program import BLOCK, continuation, prompt, segment
 
 _MODEL = None
 _VCFG: dict = {}
@@ -44,7 +44,8 @@ def _model_config():
 def vllm_config(cfg: dict):
     """vLLM's config for a program's configuration (cached: building one
     takes about a second; the scheduler only reads it)."""
-    key = (cfg["seqs"], cfg["budget"], cfg["async"], cfg["spec"], cfg["connector"])
+    key = (cfg["seqs"], cfg["budget"], cfg["async"], cfg["spec"], cfg["connector"],
+           cfg.get("caching", True))
     if key not in _VCFG:
         from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, SchedulerConfig,
                                  SpeculativeConfig, VllmConfig)
@@ -62,10 +63,15 @@ def vllm_config(cfg: dict):
         sched = SchedulerConfig(max_num_seqs=cfg["seqs"], max_num_batched_tokens=cfg["budget"],
                                 max_model_len=2048, is_encoder_decoder=False,
                                 enable_chunked_prefill=True, async_scheduling=cfg["async"])
-        _VCFG[key] = VllmConfig(scheduler_config=sched, model_config=_model_config(),
-                                cache_config=CacheConfig(block_size=BLOCK,
-                                                         enable_prefix_caching=True),
-                                device_config=DeviceConfig(device="cpu"), **kw)
+        vcfg = VllmConfig(scheduler_config=sched, model_config=_model_config(),
+                          cache_config=CacheConfig(block_size=BLOCK,
+                                                   enable_prefix_caching=cfg.get("caching", True)),
+                          device_config=DeviceConfig(device="cpu"), **kw)
+        # overlapping steps as on a GPU host: vLLM's CPU platform turns async
+        # scheduling off at config time, which would leave an AsyncScheduler
+        # with a config that says one batch in flight (no deferred frees)
+        vcfg.scheduler_config.async_scheduling = cfg["async"]
+        _VCFG[key] = vcfg
     return _VCFG[key]
 
 
@@ -84,6 +90,37 @@ def kv_cache_config(cfg: dict):
     return KVCacheConfig(num_blocks=cfg["blocks"], kv_cache_tensors=[], kv_cache_groups=groups)
 
 
+_LENS: dict = {}
+
+
+def max_model_len(cfg: dict) -> int:
+    """The longest request the program's pool holds on its own, as vLLM's
+    start-up check (``check_enough_kv_cache_memory``) requires of an
+    engine's ``max_model_len``: at most this, or vLLM would not start.
+    Counted over the usable blocks (the pool's null block aside) with
+    vLLM's own per-request block count for each group."""
+    key = (cfg["blocks"], cfg["layout"], cfg["budget"])
+    if key not in _LENS:
+        from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
+
+        vcfg = vllm_config(cfg)
+        kvc = kv_cache_config(dict(cfg, blocks=cfg["blocks"] - 1))
+        mc = vcfg.model_config
+        saved, lo, hi = mc.max_model_len, BLOCK, 2048
+        try:
+            while lo < hi:  # (the longest length with a concurrency of one)
+                mid = (lo + hi + 1) // 2
+                mc.max_model_len = mid
+                if get_max_concurrency_for_kv_cache_config(vcfg, kvc) >= 1:
+                    lo = mid
+                else:
+                    hi = mid - 1
+        finally:
+            mc.max_model_len = saved
+        _LENS[key] = lo
+    return _LENS[key]
+
+
 def make_scheduler(cfg: dict):
     import copy
 
@@ -94,6 +131,8 @@ def make_scheduler(cfg: dict):
     vcfg = copy.copy(vllm_config(cfg))
     vcfg.cache_config = copy.copy(vcfg.cache_config)
     vcfg.cache_config.num_gpu_blocks = cfg["blocks"]
+    vcfg.model_config = copy.copy(vcfg.model_config)
+    vcfg.model_config.max_model_len = max_model_len(cfg)
     cls = AsyncScheduler if cfg["async"] else Scheduler
     return cls(vllm_config=vcfg, kv_cache_config=kv_cache_config(cfg),
                structured_output_manager=StructuredOutputManager(vcfg),
@@ -160,6 +199,10 @@ class SchedulerRun:
         self.loads: dict[str, int] = {}      # async loads: rid -> steps left
         self.sending: dict[str, int] = {}    # delayed frees: rid -> steps left
         self.failed: set[str] = set()
+        #: request id -> the token family its samples continue (-1: none)
+        self.family: dict[str, int] = {}
+        #: streaming-input sessions, in the order they were added
+        self.sessions: list[str] = []
         self.out = Outcome()
 
     # ------------------------------------------------------------ operations
@@ -180,13 +223,45 @@ class SchedulerRun:
             from . import connector
 
             connector.PLAN[rid] = list(kv)
+        resumable = len(op) > 10 and bool(op[10])
+        # (vLLM's front end refuses a prompt of max_model_len tokens or more:
+        # the program's traffic stays within it)
+        toks = prompt(op, n)[: self.max_len - 1]
+        # (a near duplicate's samples follow the family all the same: the
+        # token after a changed one is still the family's likeliest)
+        self.family[rid] = op[1] if op[2] * BLOCK + op[3] else -1
         self.sched.add_request(Request(
-            request_id=rid, prompt_token_ids=prompt(op, n), pooling_params=None,
+            request_id=rid, prompt_token_ids=toks, pooling_params=None,
             sampling_params=SamplingParams(max_tokens=op[6], ignore_eos=True),
             block_hasher=_hasher(), lora_request=lr,
-            cache_salt=f"salt{salt}" if salt >= 0 else None))
+            cache_salt=f"salt{salt}" if salt >= 0 else None, resumable=resumable))
         self.order.append(rid)
+        if resumable:
+            self.sessions.append(rid)
         self.out.requests += 1
+
+    def update(self, op, n: int) -> None:
+        """A streaming session's next segment (or its end), as the front end
+        sends it: a request under the session's id."""
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.request import Request
+
+        reqs = self.sched.requests
+        open_ = [r for r in self.sessions if r in reqs and not reqs[r].is_finished()]
+        if not open_:
+            return
+        rid = open_[op[1] % len(open_)]
+        final = bool(op[6])
+        toks = segment(op, n)
+        if not final and reqs[rid].num_tokens + len(toks) + op[5] > self.max_len:
+            return  # (the session would outgrow max_model_len: not sent)
+        self.sched.add_request(Request(
+            request_id=rid, prompt_token_ids=toks, pooling_params=None,
+            sampling_params=SamplingParams(max_tokens=op[5], ignore_eos=True),
+            block_hasher=_hasher(), lora_request=reqs[rid].lora_request,
+            cache_salt=reqs[rid].cache_salt, resumable=not final))
+        if final:
+            self.sessions.remove(rid)
 
     def live(self) -> list[str]:
         reqs = self.sched.requests
@@ -218,9 +293,10 @@ class SchedulerRun:
                 sampled.append([])
             elif drafts:
                 k = min(accept, len(drafts))
-                sampled.append([(r.num_tokens * 7 + j) % 449 + 1 for j in range(k + 1)])
+                fam = self.family.get(rid, -1)
+                sampled.append([continuation(fam, r.num_tokens + j) for j in range(k + 1)])
             elif r.num_computed_tokens >= r.num_tokens:
-                sampled.append([(r.num_tokens * 7) % 449 + 1])
+                sampled.append([continuation(self.family.get(rid, -1), r.num_tokens)])
             else:
                 sampled.append([])
             if con is not None and rid in con.allocated and rid not in self.failed \
@@ -268,9 +344,12 @@ class SchedulerRun:
         r = self.sched.requests.get(rid)
         if r is None or not n:
             return set()
-        ids = self.sched.kv_cache_manager.get_block_ids(rid)[0]
+        blocks = self.sched.kv_cache_manager.coordinator.single_type_managers[0] \
+            .req_to_blocks.get(rid, [])
         start = con.starts.get(rid, 0) // BLOCK
-        return set(ids[start: start + (n + BLOCK - 1) // BLOCK])
+        # (a window's dropped blocks are vLLM's null block: no load there)
+        return {b.block_id for b in blocks[start: start + (n + BLOCK - 1) // BLOCK]
+                if not b.is_null}
 
     def _track_connector(self) -> None:
         """The worker side's view: each load the scheduler side started and
@@ -333,7 +412,8 @@ class SchedulerRun:
     def run(self) -> Outcome:
         try:
             self.sched = make_scheduler(self.cfg)
-            for op in self.program["ops"]:
+            self.max_len = self.sched.max_model_len
+            for i, op in enumerate(self.program["ops"]):
                 name = op[0]
                 if name == "add":
                     self.add(op)
@@ -350,6 +430,8 @@ class SchedulerRun:
                     self.sched.reset_prefix_cache()
                 elif name == "reload":
                     self.versions[op[1]] += 1
+                elif name == "update":
+                    self.update(op, i)
                 if self.check_harm and name in ("abort", "reset"):
                     self.harm(final=False)
             self.drain()

@@ -74,6 +74,8 @@ def main(spec_path: str) -> None:
     else:
         run, decode = execute, program.decode
     seen: set = set()
+    #: kinds whose first confirmed finding ends the search (rediscovery)
+    stop_on = set(spec.get("stop_on") or ())
     out_f = open(spec["findings"], "a")
     ctx = faultctx.active(spec.get("fault"), builtin_by_plugin=True)
     ctx.__enter__()
@@ -103,6 +105,12 @@ def main(spec_path: str) -> None:
                                         "t": round(time.monotonic() - started, 2)}) + "\n")
                 out_f.flush()
                 sys.stderr.write(f"KVSAN_FUZZ finding {key[0]} at {key[1]}\n")
+                if again and key[0] in stop_on:
+                    # (a rediscovery: the kind it searches for, confirmed)
+                    out_f.close()
+                    sys.stderr.write("KVSAN_FUZZ stop: an expected kind was found\n")
+                    sys.stderr.flush()
+                    os._exit(0)
 
     args = [sys.argv[0], f"-seed={spec['seed'] + 1}", f"-max_total_time={spec['seconds']}",
             "-max_len=512", "-len_control=0", "-timeout=60", "-rss_limit_mb=6144", "-print_final_stats=1",
