@@ -79,16 +79,11 @@ ENTRY = Entry(
     kind_class="identity (adapter conflation)",
     releases=["0.30.0", "0.31.0", "0.32.0", "0.33.0"],
     native=["0.30.0", "0.31.0", "0.32.0", "0.33.0"], level="engine",
-    expected_kinds=["cache_key_mismatch"],
+    expected_kinds=["adapter_mismatch"],
     where="vllm/lora/request.py::LoRARequest.__eq__/__hash__",
     revert_how="exact hunk (0.33 methods)",
     harm_what="a request computed with another adapter than its own",
     trigger=trigger, revertable=["0.34.0"],
     revert=lambda v: _methods(_by_name_eq, _by_name_hash),
     fix=lambda v: _methods(_by_name_and_id_eq, _by_name_and_id_hash),
-    expect="missed",
-    miss_reason=("the keys are right and no block is shared: the fault is which adapter "
-                 "the worker runs a request with. Needs: the worker's active adapter per "
-                 "request and step checked against the request's own (name, id, load "
-                 "generation), as the identity audit checks the producer's adapter"),
 )

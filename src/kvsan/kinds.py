@@ -57,6 +57,13 @@ READ_EXTENT_MISMATCH = "read_extent_mismatch"
 #: request's, a freed one's, the null block's)
 BLOCK_TABLE_MISMATCH = "block_table_mismatch"
 
+#: a step that runs a request with another adapter than its own: its
+#: adapter id is not among the adapters the worker activated for the step,
+#: or the adapter active under that id is another one (name, path).  The
+#: request's tokens and the KV it writes (cached under its correct key) are
+#: another adapter's
+ADAPTER_MISMATCH = "adapter_mismatch"
+
 DEVICE_KINDS = (
     OVERWRITE_SHARED_BLOCK,
     CHECKSUM_MISMATCH,
@@ -64,12 +71,13 @@ DEVICE_KINDS = (
     INPUT_TOKEN_MISMATCH,
     READ_EXTENT_MISMATCH,
     BLOCK_TABLE_MISMATCH,
+    ADAPTER_MISMATCH,
     REUSE_WITH_LIVE_OWNERS,
 )
 
 ALL_KINDS = ALLOCATOR_KINDS + (OVERWRITE_SHARED_BLOCK, CHECKSUM_MISMATCH, UNINITIALIZED_HIT,
                                INPUT_TOKEN_MISMATCH, READ_EXTENT_MISMATCH,
-                               BLOCK_TABLE_MISMATCH)
+                               BLOCK_TABLE_MISMATCH, ADAPTER_MISMATCH)
 
 # identity audit (EngineCore)
 CACHE_KEY_MISMATCH = "cache_key_mismatch"
@@ -93,4 +101,5 @@ CLASS_OF = {
     INPUT_TOKEN_MISMATCH: CORRUPTION,
     READ_EXTENT_MISMATCH: CORRUPTION,
     BLOCK_TABLE_MISMATCH: CORRUPTION,
+    ADAPTER_MISMATCH: CORRUPTION,
 }

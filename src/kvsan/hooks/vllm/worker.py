@@ -36,6 +36,7 @@ from ...checks import native
 from ...checks.device import DeviceChecker
 from ...checks.device.loads import ConnectorLoads
 from .. import Target, guard_failed
+from . import adapters
 from . import inputs as vllm_inputs
 from .processes import engine_index
 from .. import guard as _guard
@@ -593,6 +594,7 @@ def targets() -> list[Target]:
         Target(_V1, "GPUModelRunner._prepare_inputs", _prepare_inputs, True,
                fast=("GUARD", _native_guard)),
         Target(_V1, "GPUModelRunner.shutdown", _shutdown, True),
+        *adapters.targets(),
     ]
 
 
@@ -635,11 +637,16 @@ CONTRACT = Contract(
         f"{_V1}:GPUModelRunner.execute_model": ("scheduler_output",),
         f"{_V1}:GPUModelRunner._prepare_inputs": ("scheduler_output", "num_scheduled_tokens"),
         f"{_V1}:GPUModelRunner.shutdown": (),
+        f"{adapters._MIXIN}:LoRAModelRunnerMixin._set_active_loras":
+            ("prompt_lora_mapping", "token_lora_mapping", "lora_requests"),
     },
     attrs={
         f"{_V1}:GPUModelRunner":
             ("kv_caches", "kv_cache_config", "input_batch", "parallel_config"),
-        "vllm.v1.worker.gpu_input_batch:InputBatch": ("num_reqs", "req_ids", "block_table"),
+        "vllm.v1.worker.gpu_input_batch:InputBatch":
+            ("num_reqs", "req_ids", "block_table",
+             *adapters.ATTRS["vllm.v1.worker.gpu_input_batch:InputBatch"]),
+        "vllm.lora.request:LoRARequest": adapters.ATTRS["vllm.lora.request:LoRARequest"],
         "vllm.v1.kv_cache_interface:KVCacheConfig": ("num_blocks", "kv_cache_groups"),
         **_STEP_ATTRS,
     },
