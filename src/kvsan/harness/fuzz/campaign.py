@@ -80,9 +80,15 @@ def search(args, workdir: str, say) -> tuple[list[dict], dict]:
     spec_path = os.path.join(workdir, "spec.json")
     json.dump(spec, open(spec_path, "w"))
     log = open(os.path.join(workdir, "libfuzzer.log"), "w")
+    # (KVSAN off at the worker's start: kvsan's start-up hook would install
+    # kvsan at the first Scheduler built, before Atheris instruments vLLM's
+    # core, and kvsan knows vLLM's owner frames by code objects that
+    # instrumenting replaces; the worker switches it on after instrumenting)
+    env = _env(spec["fault"])
+    env.pop("KVSAN", None)
     proc = subprocess.Popen([sys.executable, "-m", "kvsan.harness.fuzz.worker", spec_path],
                             stdout=log, stderr=subprocess.PIPE, text=True,
-                            env=_env(spec["fault"]), cwd=os.getcwd())
+                            env=env, cwd=os.getcwd())
     stats = {"execs": 0, "cov": 0, "corpus": 0, "execs_per_s": 0, "findings": 0}
     start, shown = time.monotonic(), 0.0
     deadline = start + args.seconds + 300  # (start-up, then libFuzzer's own limit)

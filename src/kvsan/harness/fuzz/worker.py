@@ -63,7 +63,16 @@ def main(spec_path: str) -> None:
 
     for warm in (b"\x00" * 64, bytes(range(256))):
         execute(program.decode(warm))  # (every lazily imported core module loaded)
+    from ... import runtime
+
+    if runtime.get() is not None:
+        # (installed before instrumenting: its owner frames are the code
+        # objects Atheris is about to replace; every program would be
+        # misattributed)
+        sys.exit("kvsan fuzz: kvsan was installed before vLLM's core was instrumented "
+                 "(KVSAN set in the fuzzing process's environment)")
     sys.stderr.write(f"KVSAN_FUZZ instrumented {instrument_vllm_core()} functions\n")
+    os.environ["KVSAN"] = "1"
     load_engine_plugins()
     if spec["target"] == "engine":
         from .engine import EngineTarget, _engines
