@@ -643,7 +643,7 @@ def _schedule_ends(rt, sched, ret, payload) -> None:
                 ck.sweep(rt.config.leak_grace_steps)
             if (ck.every_step or ck.leases
                     or getattr(ret, "total_num_scheduled_tokens", 1) == 0):
-                transfers.after_schedule(rt, sched, ck, ret)
+                transfers.after_schedule(rt, sched, ck, ret, request_block_ids)
             if rt.config.audit_every and rt.step % rt.config.audit_every == 0:
                 audit_scheduler(rt, sched)
             if rt.metrics is not None:
@@ -882,19 +882,39 @@ def _connector_finished(wrapped, instance, args, kwargs):
     return ret
 
 
-def _connector_holds(rt, sched, request) -> None:
-    ck = _scheduler_checker(rt, sched)
-    if ck is None:
-        return
-    rid = request.request_id
+def request_block_ids(sched, rid: str) -> list[int]:
+    """``rid``'s blocks in ``sched``'s device pool, every group."""
     ref = pool_ref(sched.kv_cache_manager.block_pool)
     ids = []
     for manager in sched.kv_cache_manager.coordinator.single_type_managers:
         for b in manager.req_to_blocks.get(rid, ()):
             if not b.is_null and (b.pool is None or b.pool is ref):
                 ids.append(b.block_id)
+    return ids
+
+
+def _connector_holds(rt, sched, request) -> None:
+    ck = _scheduler_checker(rt, sched)
+    if ck is None:
+        return
+    rid = request.request_id
+    ids = request_block_ids(sched, rid)
     ck.on_connector_hold(rid, ids, "scheduler.py:_connector_finished (delayed free)")
     transfers.on_delayed_free(ck, rid, ids)
+
+
+def _has_requests(wrapped, instance, args, kwargs):
+    """``Scheduler.has_requests()``: False stops EngineCore's loop until a
+    request arrives, so a delayed free still pending then never completes
+    (:meth:`~kvsan.checks.allocator.AllocatorChecker.on_engine_stops`)."""
+    ret = wrapped(*args, **kwargs)
+    if not ret:
+        rt = _rt._runtime
+        ck = _scheduler_checker(rt, instance) if rt is not None else None
+        if ck is not None and ck.pending_release:
+            _guard(rt, "has_requests", ck.on_engine_stops, instance.requests,
+                   "scheduler.py:Scheduler.has_requests (the engine stops stepping)")
+    return ret
 
 
 def _update_from_kv_xfer_finished(wrapped, instance, args, kwargs):
@@ -1376,7 +1396,7 @@ def targets() -> list[Target]:
                fast=("PREEMPT", _preempted)),
         Target(_SCHED, "Scheduler.finish_requests", _finish_requests,
                fast=("FINISH", _finished)),
-        *transfers.targets(),
+        Target(_SCHED, "Scheduler.has_requests", _has_requests),
     ]
 
 
@@ -1420,7 +1440,7 @@ CONTRACT = Contract(
         f"{_SCHED}:Scheduler._preempt_request": ("request",),
         f"{_SCHED}:Scheduler.finish_requests": ("request_ids",),
         f"{_CORE}:EngineCore.shutdown": (),
-        **transfers.METHODS,
+        f"{_SCHED}:Scheduler.has_requests": (),
     },
     attrs={
         "vllm.v1.core.kv_cache_utils:KVCacheBlock":

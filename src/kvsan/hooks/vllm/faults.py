@@ -2,13 +2,12 @@
 kvsan's own tests (``KVSAN_INJECT=<name>`` or ``kvsan demo --inject``).
 
 Each fault is a real bug of a kind seen in serving engines (see the prior-art
-notes), applied as a wrapt patch *outside* kvsan's hooks, so kvsan observes
-the engine exactly as it would observe the buggy engine.
+notes), patched through kvsan's one patcher (:func:`kvsan.hooks.instrument`,
+restored by :func:`clear` or kvsan's uninstall) *outside* kvsan's hooks, so
+kvsan observes the engine exactly as it would observe the buggy engine.
 """
 
 from __future__ import annotations
-
-import wrapt
 
 _KVM = "vllm.v1.core.kv_cache_manager"
 _BP = "vllm.v1.core.block_pool"
@@ -178,7 +177,7 @@ def applies(spec: str, role: str, rank: int) -> bool:
 
     return role == "worker" and ray_actor_class() is not None
 
-_active: list[tuple[object, str, object]] = []
+_active: list = []  # the fault's Target, while injected
 
 
 def _request_id(args, kwargs) -> str | None:
@@ -226,28 +225,30 @@ def inject(name: str, only: str | None = None) -> None:
     module, qualname, wrapper = FAULTS[name]
     import importlib
 
-    cls_name, attr = qualname.split(".")
+    from ... import hooks
+
     wrapper = _only(wrapper, only) if only and name not in WORKER_FAULTS else wrapper
+    fault = hooks.Target(module, qualname, wrapper)
+    _active.append(fault)
 
-    def patch(mod):
-        cls = getattr(mod, cls_name)
-        _active.append((cls, attr, cls.__dict__[attr]))
-        wrapt.wrap_function_wrapper(cls, attr, wrapper)
+    def patch(_mod=None):
+        if fault in _active:  # (not cleared before the module was imported)
+            hooks.instrument([fault])  # the outermost patch: kvsan's hooks are below it
 
-    if name in WORKER_FAULTS:  # where (if) this process imports the runner: outside kvsan's hooks
-        _active.append((None, None, None))
-        from ... import hooks
-
-        hooks.when_imported(lambda mod: patch(mod) if _active else None, module)
+    if name in WORKER_FAULTS:  # where (if) this process imports the runner
+        hooks.when_imported(patch, module)
         return
-    patch(importlib.import_module(module))
+    importlib.import_module(module)
+    patch()
 
 
 def clear() -> None:
-    while _active:
-        cls, attr, original = _active.pop()
-        if cls is not None:
-            setattr(cls, attr, original)
+    """Take the injected fault out (kvsan's own hooks stay)."""
+    from ... import hooks
+
+    if _active:
+        hooks.uninstrument(list(_active))
+        _active.clear()
     _scribbled.clear()
     global _only_rank
     _only_rank = None

@@ -18,9 +18,9 @@ A block of a live lease that goes back to the free queue, or to a new
 owner, is reported at that call.  Each transfer is its own lease: a request
 with a load and a send pending is not done after the first report.
 
-Liveness: ``Scheduler.has_requests()`` answering False stops EngineCore's
-loop, so a delayed free still pending then is a leak
-(:meth:`~kvsan.checks.allocator.AllocatorChecker.on_engine_stops`); and a
+Liveness (the allocator adapter hooks ``Scheduler.has_requests()``: False
+with a delayed free pending is a leak,
+:meth:`~kvsan.checks.allocator.AllocatorChecker.on_engine_stops`): a
 scheduler that schedules nothing for ``KVSAN_STALL_STEPS`` steps in a row,
 with nothing pending outside the engine, strands the requests holding
 blocks (:class:`~kvsan.checks.liveness.StallWatch`).
@@ -33,7 +33,6 @@ from ...checks.liveness import StallWatch
 from .. import Target
 from .. import guard as _guard
 
-_SCHED = "vllm.v1.core.sched.scheduler"
 _STORE = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.scheduler"
 LOAD, SEND, STORE = "load:", "send:", "store:"
 #: the request states that wait on something outside the engine (a remote
@@ -43,34 +42,22 @@ _WAITING_OUTSIDE = ("WAITING_FOR_REMOTE_KVS", "WAITING_FOR_FSM",
                     "WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR", "WAITING_FOR_STREAMING_REQ")
 
 
-def request_block_ids(sched, rid: str) -> list[int]:
-    """``rid``'s blocks in ``sched``'s device pool, every group."""
-    from .allocator import pool_ref
-
-    ref = pool_ref(sched.kv_cache_manager.block_pool)
-    ids = []
-    for manager in sched.kv_cache_manager.coordinator.single_type_managers:
-        for b in manager.req_to_blocks.get(rid, ()):
-            if not b.is_null and (b.pool is None or b.pool is ref):
-                ids.append(b.block_id)
-    return ids
-
-
 # ------------------------------------------------------- at a step's end
-def after_schedule(rt, sched, ck, ret) -> None:
+def after_schedule(rt, sched, ck, ret, block_ids) -> None:
     """The transfer and liveness work of a step, after ``schedule()``
     (called by the allocator adapter's step end, for the steps the native
     hook lets through: every step of a scheduler with a connector, and
-    every step that scheduled nothing)."""
+    every step that scheduled nothing).  ``block_ids(sched, rid)``: a
+    request's blocks in the scheduler's device pool."""
     if ck.every_step:
-        lease_new_loads(sched, ck)
+        lease_new_loads(sched, ck, block_ids)
     if ck.leases:
         ck.sweep_leases(rt.config.leak_grace_steps)
     if rt.config.stall_steps and getattr(ret, "total_num_scheduled_tokens", 1) == 0:
         quiet_step(rt, sched, ck, ret)
 
 
-def lease_new_loads(sched, ck) -> None:
+def lease_new_loads(sched, ck, block_ids) -> None:
     """Requests that started an async load in this step: their blocks that
     no prefix hit gave them (the ones the load writes) are leased to
     ``load:<rid>`` (a scheduler with a connector; a few attribute reads per
@@ -85,7 +72,7 @@ def lease_new_loads(sched, ck) -> None:
         name = LOAD + rid
         if name in ck.leases or rid in landed:
             continue
-        ck.lease(name, [b for b in request_block_ids(sched, rid) if not cached[b]])
+        ck.lease(name, [b for b in block_ids(sched, rid) if not cached[b]])
 
 
 def quiet_step(rt, sched, ck, ret) -> None:
@@ -162,27 +149,6 @@ def on_transfers_done(ck, out) -> None:
             watch.progress()
 
 
-# ------------------------------------------------------------ the engine stops
-def _has_requests(wrapped, instance, args, kwargs):
-    """``Scheduler.has_requests()``: False stops EngineCore's loop until a
-    request arrives; a delayed free still pending then never completes."""
-    ret = wrapped(*args, **kwargs)
-    if not ret:
-        rt = _rt._runtime
-        if rt is not None:
-            _guard(rt, "has_requests", engine_stops, rt, instance)
-    return ret
-
-
-def engine_stops(rt, sched) -> None:
-    from .allocator import _scheduler_checker
-
-    ck = _scheduler_checker(rt, sched)
-    if ck is not None and ck.pending_release:
-        ck.on_engine_stops(sched.requests,
-                           "scheduler.py:Scheduler.has_requests (the engine stops stepping)")
-
-
 # ------------------------------------------------- Mooncake store jobs
 def _store_checker(rt, store):
     pool = getattr(store, "_gpu_block_pool", None)
@@ -253,10 +219,6 @@ def end_store_jobs(rt, store, out) -> None:
 
 
 # ---------------------------------------------------------------- targets
-def targets() -> list[Target]:
-    return [Target(_SCHED, "Scheduler.has_requests", _has_requests)]
-
-
 def store_targets() -> list[Target]:
     return [
         Target(_STORE, "MooncakeStoreScheduler.build_connector_meta", _store_meta),
@@ -266,7 +228,6 @@ def store_targets() -> list[Target]:
 
 #: what these hooks rely on in vLLM (merged into the allocator adapter's
 #: contract: they are part of its checks)
-METHODS = {f"{_SCHED}:Scheduler.has_requests": ()}
 ATTRS = {"vllm.v1.request:Request": ("status",),
          "vllm.v1.core.sched.output:SchedulerOutput":
              ("total_num_scheduled_tokens", "finished_req_ids")}
