@@ -56,14 +56,21 @@ def test_the_negative_control_is_silent_on_the_buggy_code():
     assert row["ok"], row["verdict"]
 
 
-def test_the_recorded_miss_says_what_kvsan_needs():
-    """The one miss (an engine-level entry: booting it is left to
-    ``make realbugs``) is recorded with the invariant that would catch it."""
-    from benchmarks.realbugs import ENTRIES
+def test_the_runner_records_a_miss_with_its_reason():
+    """No entry is a miss today; the runner's path for one still works: an
+    entry whose bug kvsan does not see (the negative control's trigger,
+    declared as an expected miss) is MISSED, as expected, with its harm."""
+    from dataclasses import replace
 
-    missed = [e for e in ENTRIES.values() if e.expect == "missed"]
-    assert [e.id for e in missed] == ["lora-request-identity"]
-    assert missed[0].miss_reason and missed[0].level == "engine"
+    from benchmarks.realbugs import ENTRIES
+    from benchmarks.realbugs.runner import run_entry
+
+    assert not [e.id for e in ENTRIES.values() if e.expect == "missed"]
+    miss = replace(ENTRIES["stale-partial-hash"], expect="missed", counted=True,
+                   miss_reason="(a test entry)")
+    row = run_entry(miss)
+    assert row["harm"] and not row["detected"] and row["control_violations"] == 0
+    assert row["ok"] and row["verdict"] == "MISSED"
 
 
 def test_the_session_runtime_is_back_after_the_runner(kvsan_rt):

@@ -83,9 +83,10 @@ def quiet_step(rt, sched, ck, ret) -> None:
     watch = ck.stall
     if watch is None or watch.limit != rt.config.stall_steps:
         watch = ck.stall = StallWatch(rt.config.stall_steps)
-    if getattr(ret, "finished_req_ids", None):
-        watch.progress()
-        return
+    sig = _progress_mark(sched)
+    if getattr(ret, "finished_req_ids", None) or sig != ck.stall_mark:
+        watch.progress()  # a request ended, or tokens were computed since the last quiet step
+    ck.stall_mark = sig
     if not watch.quiet(rt.step):
         return
     holders = stranded(sched, ck)
@@ -98,6 +99,17 @@ def quiet_step(rt, sched, ck, ret) -> None:
     except AttributeError:
         pass
     ck.on_stall(holders, watch.run, free, "scheduler.py:Scheduler.schedule (no progress)")
+
+
+def _progress_mark(sched) -> tuple[int, int, int]:
+    """What moves when the engine makes progress: the requests it holds,
+    their computed tokens and their output tokens (a step whose output was
+    processed between two quiet schedules, as with steps in flight)."""
+    computed = produced = 0
+    for req in sched.requests.values():
+        computed += req.num_computed_tokens
+        produced += req.num_output_tokens
+    return len(sched.requests), computed, produced
 
 
 def stranded(sched, ck) -> list[tuple[str, str]] | None:
@@ -228,6 +240,6 @@ def store_targets() -> list[Target]:
 
 #: what these hooks rely on in vLLM (merged into the allocator adapter's
 #: contract: they are part of its checks)
-ATTRS = {"vllm.v1.request:Request": ("status",),
+ATTRS = {"vllm.v1.request:Request": ("status", "num_computed_tokens", "num_output_tokens"),
          "vllm.v1.core.sched.output:SchedulerOutput":
              ("total_num_scheduled_tokens", "finished_req_ids")}
