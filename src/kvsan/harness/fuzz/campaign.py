@@ -134,6 +134,21 @@ def _executor(target: str):
     return execute
 
 
+def _fault_off(fault: str, execute, prog):
+    """``prog`` run with the fault switched off (a built-in fault is
+    injected by kvsan's plugin for the whole process: taken off for the
+    run and put back)."""
+    if fault.startswith("realbug:"):
+        return execute(prog)  # (called outside the entry's context)
+    from ...hooks.vllm import faults
+
+    faults.clear()
+    try:
+        return execute(prog)
+    finally:
+        faults.inject(fault)
+
+
 def report(found: list[dict], args, say) -> list[dict]:
     """Deduplicate, shrink and write a reproducer for each finding."""
     from . import faultctx, findings as fnd, replay, shrink
@@ -144,7 +159,7 @@ def report(found: list[dict], args, say) -> list[dict]:
     out_dir = args.findings_dir
     os.makedirs(out_dir, exist_ok=True)
     budget_end = time.monotonic() + args.shrink_seconds
-    results, done = [], set()
+    results, done, progs = [], set(), []
     with faultctx.active(fault, builtin_by_plugin=True):
         for f in found:
             key = (f["kind"], f["site"])
@@ -170,15 +185,22 @@ def report(found: list[dict], args, say) -> list[dict]:
                 prog = shrink.shrink(prog, lambda p: key in fnd.keys(execute(p)),
                                      budget_s=min(left, max(5.0, args.shrink_seconds / 4)))
             blocks = fnd.keys(execute(prog)).get(key, f["blocks"])
+            progs.append((key, prog))
             name = f"{key[0]}-{hashlib.sha1(repr(key).encode()).hexdigest()[:8]}.py"
             path = os.path.abspath(os.path.join(out_dir, name))
             replay.write(path, prog, fault, key[0], key[1], args.target)
             rec = {"kind": key[0], "blocks": blocks, "site": key[1], "reproducer": path,
                    "operations": len(prog["ops"]), "reproduced": reproduced,
-                   "fault": fault, "found_after_s": f.get("t")}
+                   "fault": fault, "found_after_s": f.get("t"), "fault_only": None}
             results.append(rec)
             say(f"  {key[0]} at {key[1]}: blocks {blocks}, {len(prog['ops'])} operations "
                 f"-> {path}" + ("" if reproduced else " (did not reproduce on its own)"))
+    if fault and not faultctx.native(fault):
+        # (the fault's own finding, or one of the vLLM installed: each
+        # reproduced program again with the fault off)
+        for rec, (key, prog) in zip(results, progs):
+            if rec["reproduced"]:
+                rec["fault_only"] = key not in fnd.keys(_fault_off(fault, execute, prog))
     return results
 
 

@@ -54,11 +54,13 @@ class FuzzConnector(KVConnectorBase_V1):
         return KVConnectorMetadata()
 
     def request_finished(self, request, block_ids):
-        # (a send is delayed only where no load is pending: the load's
-        # report frees the blocks of a request that finished meanwhile)
+        # (a send may be delayed while the request's own load is pending: a
+        # kv_both connector that both receives and sends for one request;
+        # vLLM 0.30-0.34 free its blocks on the first of the two reports,
+        # #46240)
         rid = request.request_id
         plan = PLAN.get(rid)
-        delay = bool(plan and plan[3] and any(block_ids) and rid not in self.loading)
+        delay = bool(plan and plan[3] and any(block_ids))
         if delay:
             self.delayed.add(rid)
         return delay, None

@@ -34,6 +34,16 @@ def check(spec: str | None) -> str | None:
     return None
 
 
+def native(spec: str | None) -> bool:
+    """Whether ``spec`` is a real-bug entry the installed vLLM ships as is
+    (switching it on changes nothing: there is no fault-free run)."""
+    if not spec or not spec.startswith("realbug:"):
+        return False
+    from benchmarks.realbugs.base import vllm_version
+
+    return _realbugs()[spec[8:]].carries(vllm_version())
+
+
 def _realbugs():
     root = os.getcwd()
     if root not in sys.path:

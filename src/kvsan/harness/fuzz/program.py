@@ -94,7 +94,12 @@ def decode(data: bytes, engine: bool = False) -> dict:
             kv = [b % 4, bool(b & 4), b & 24 == 24, bool(b & 32)] if cfg["connector"] else None
             # a streaming-input session (resumable: it waits for its next
             # segment when it stops); the stub plans no transfer for one
-            resumable = r.byte() % 4 == 1
+            b = r.byte()
+            resumable = b % 4 == 1
+            if resumable and b & 4:
+                # (a segment that stops on a block edge: its last sampled
+                # token completes a block the next segment rewrites)
+                op[6] = BLOCK - (op[2] * BLOCK + op[3] + op[5]) % BLOCK
             op.append(None if resumable else kv)
             op.append(resumable)
             ops.append(op)

@@ -203,6 +203,8 @@ class SchedulerRun:
         self.family: dict[str, int] = {}
         #: streaming-input sessions, in the order they were added
         self.sessions: list[str] = []
+        #: id of a step in flight -> {request: blocks the step writes}
+        self.writes: dict[int, dict] = {}
         self.out = Outcome()
 
     # ------------------------------------------------------------ operations
@@ -373,6 +375,20 @@ class SchedulerRun:
             self._track_connector()
             mro = self.output(so, accept)
             if self.cfg["async"]:
+                # (the blocks this step writes for each request, while it is
+                # in flight: the kvsan-off view of a free under it)
+                mgr = s.kv_cache_manager.coordinator.single_type_managers[0]
+                writes = {}
+                for rid, n in so.num_scheduled_tokens.items():
+                    r = s.requests.get(rid)
+                    if r is None or not n:
+                        continue
+                    end = r.num_computed_tokens  # (advanced by this step's tokens)
+                    table = mgr.req_to_blocks.get(rid, ())
+                    writes[rid] = [b.block_id for b in table[(end - n) // BLOCK:
+                                                             -(-end // BLOCK)]
+                                   if not b.is_null]
+                self.writes[id(so)] = writes
                 self.queue.appendleft((so, mro))
                 if len(self.queue) < 2:
                     return
@@ -383,6 +399,7 @@ class SchedulerRun:
             self._update(*self.queue.pop())
 
     def _update(self, so, mro) -> None:
+        self.writes.pop(id(so), None)
         self.sched.update_from_output(so, mro)
         kvo = mro.kv_connector_output
         if kvo is not None:
@@ -490,6 +507,16 @@ class SchedulerRun:
             node = node.next_free_block
         if listed != q.num_free_blocks:
             found.append(f"free count {q.num_free_blocks} but {listed} blocks on the free list")
+        if getattr(self.sched, "defer_block_free", False):
+            # (a consumer connector may load into a free block at once,
+            # unordered with the device: vLLM keeps what a step in flight
+            # writes until that step's output is processed)
+            for so, _ in self.queue:
+                for rid, bids in self.writes.get(id(so), {}).items():
+                    for bid in bids:
+                        if pool.blocks[bid].ref_cnt == 0:
+                            found.append(f"block {bid} free while a step in flight still "
+                                         f"writes it for {rid} (a KV load may be given it)")
         if final and not self.sched.requests:
             held = [b.block_id for b in pool.blocks if b.ref_cnt > 0 and not b.is_null]
             if held:
