@@ -135,8 +135,8 @@ def lane_code(model: str, rounds: int, groups: int = 6, per_group: int = 5,
 
 
 #: the lanes: setting -> environment (KVSAN unset for off, as users run it)
-LANES = {"off": ENV["off"], "default": ENV["default"], "strict": ENV["strict"],
-         "absent": {"VLLM_PLUGINS": "none"}}
+LANES = {"off": ENV["off"], "production": ENV["production"], "default": ENV["default"],
+         "strict": ENV["strict"], "absent": {"VLLM_PLUGINS": "none"}}
 
 
 #: rounds of the workload per lane, by model, where ``bench`` is not given
@@ -253,7 +253,7 @@ def summarize(got: dict, rounds: int, per_batch: int | None = None) -> dict:
 def markdown(res: dict) -> str:
     rows = []
     for name, e in res.items():
-        for s in ("default", "strict", "absent"):
+        for s in ("production", "default", "strict", "absent"):
             if s not in e:
                 continue
             share, dev = e[s].get("kvsan_share"), e[s].get("device_share")

@@ -29,7 +29,7 @@ import gc
 import random
 import time
 
-from .common import NATIVE_OFF, SETTINGS, config_for, ratio_cell, table
+from .common import NATIVE_OFF, PRODUCTION, SETTINGS, config_for, ratio_cell, table
 
 BLOCK = 16
 _MODEL = None
@@ -107,10 +107,17 @@ def _activate(lane, device: bool = False) -> None:
     from kvsan import runtime as _rt
     from kvsan.hooks.vllm import allocator as vllm_allocator, identity as vllm_identity, worker as vllm_worker
 
+    from kvsan.hooks.vllm import sampled as vllm_sampled
+
     vllm_identity.uninstall()
+    vllm_sampled.uninstall()
     hooks.uninstrument()
     _rt.set_runtime(None)
-    if lane.rt is not None:
+    if lane.rt is not None and lane.rt.config.sample:  # production mode: its own hooks only
+        lane.rt.native = hooks.use_native(lane.rt.config.native)
+        vllm_sampled.install(lane.rt, lane.rt.config)
+        _rt.set_runtime(lane.rt)
+    elif lane.rt is not None:
         lane.rt.native = hooks.use_native(lane.rt.config.native)
         hooks.instrument(vllm_allocator.targets())
         vllm_identity.install()
@@ -132,6 +139,7 @@ def _runtime_for(setting: str):
 
     rt = Runtime(cfg, role="engine", metrics=False)
     rt.metrics = Metrics("engine", registry=CollectorRegistry())
+    rt.metrics.set_mode(cfg.check_mode, cfg.sample or 1.0)
     rt.reporter.metrics = rt.metrics
     return rt
 
@@ -232,8 +240,14 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int,
 
     def summary():
         rt = lane.rt
-        ck = next(iter(rt.checkers.values())) if rt is not None else None
-        return {"fingerprint": list(lane.fingerprint), "finished": lane.finished,
+        ck = next(iter(rt.checkers.values()), None) if rt is not None else None
+        sampled = None
+        if rt is not None and rt.sampler is not None:
+            from kvsan.hooks.vllm import sampled as vllm_sampled
+
+            w = next(iter(vllm_sampled.WATCHES.values()), None)
+            sampled = dict(w.ck.stats(), admitted=rt.sampler.admitted) if w else None
+        return {"sampled": sampled,"fingerprint": list(lane.fingerprint), "finished": lane.finished,
                 "aborted": lane.aborted, "preempted": lane.preempted,
                 "evicted": ck.counters["evicted"] if ck is not None else None,
                 "violations": [v.kind for v in rt.violations()] if rt is not None else [],
@@ -291,20 +305,28 @@ def speedups_built() -> bool:
     return bool(getattr(_frames, "AVAILABLE", 0))
 
 
-def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0, processes=2) -> dict:
+#: every setting the scheduler benchmark runs side by side
+SCHED_SETTINGS = SETTINGS + (PRODUCTION, NATIVE_OFF)
+
+
+def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0, processes=2,
+          settings=SCHED_SETTINGS) -> dict:
     """Ratios per chunk of consecutive steps (the spread), and over all steps;
-    the ``python`` lane is default with kvsan's C speed-ups off.  Times are
+    the ``python`` lane is default with kvsan's C speed-ups off, the
+    ``production`` lane production mode at its default rate.  Times are
     per process (each setting's ``processes`` pooled, then divided)."""
     results = {}
     for n in sizes:
-        lanes = run_lanes(n, steps, seed, settings=SETTINGS + (NATIVE_OFF,),
-                          processes=processes)
+        lanes = run_lanes(n, steps, seed, settings=settings, processes=processes)
         off = lanes["off"]["times"]
         size = max(1, steps // chunks)
         res = {"steps": steps, "num_blocks": 3 * n + 16, "finished": lanes["off"]["finished"],
                "aborted": lanes["off"]["aborted"], "preempted": lanes["off"]["preempted"],
-               "evicted": lanes["default"]["evicted"]}
-        if lanes[NATIVE_OFF]["native"] or lanes["default"]["native"] != speedups_built():
+               "evicted": lanes["default"]["evicted"] if "default" in lanes else None}
+        if PRODUCTION in lanes:
+            res["sampled"] = lanes[PRODUCTION]["sampled"]
+        if NATIVE_OFF in lanes and (lanes[NATIVE_OFF]["native"]
+                                    or lanes["default"]["native"] != speedups_built()):
             raise AssertionError("the python lane must run without kvsan's C speed-ups, "
                                  "the default lane with them wherever they are built")
         res["processes"] = processes
@@ -320,19 +342,25 @@ def bench(sizes=(16, 64, 256), steps=240, chunks=6, seed=0, processes=2) -> dict
 
 
 def markdown(res: dict) -> str:
+    def cell(r, s, bold=True):
+        if s not in r:
+            return "-"
+        b = "**" if bold else ""
+        return f"{b}{r[s + '_all']:.3f}x{b} ({ratio_cell(r[s])})"
+
     rows = []
     for n, r in res.items():
+        sampled = r.get("sampled") or {}
         rows.append([n, r["num_blocks"], f"{r['finished']}/{r['aborted']}/{r['preempted']}/"
-                     f"{r['evicted']}", f"{r['off_us']:.0f}", f"{r['default_us']:.0f}",
-                     f"{r['strict_us']:.0f}",
-                     f"**{r['default_all']:.3f}x** ({ratio_cell(r['default'])})",
-                     f"**{r['strict_all']:.3f}x** ({ratio_cell(r['strict'])})",
-                     f"{r[NATIVE_OFF + '_all']:.3f}x ({ratio_cell(r[NATIVE_OFF])})"
-                     if NATIVE_OFF in r else "-"])
+                     f"{r['evicted']}", f"{r['off_us']:.0f}",
+                     cell(r, PRODUCTION),
+                     f"{sampled.get('sampled_requests', 0)}/{sampled.get('admitted', 0)}"
+                     if sampled else "-",
+                     cell(r, "default"), cell(r, "strict"), cell(r, NATIVE_OFF, bold=False)])
     return table(["requests", "pool blocks", "finished/aborted/preempted/evicted",
-                  "off µs/step", "default µs/step", "strict µs/step",
-                  "default / off (median per chunk, min-max)", "strict / off",
-                  "default, KVSAN_NATIVE=0 / off"], rows)
+                  "off µs/step", "production / off (median per chunk, min-max)",
+                  "production: sampled / admitted requests",
+                  "default / off", "strict / off", "default, KVSAN_NATIVE=0 / off"], rows)
 
 
 if __name__ == "__main__":

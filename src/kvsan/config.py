@@ -54,6 +54,17 @@ class Config:
     #: use kvsan's C speed-ups where they were built (same results; 0 runs
     #: the pure-Python paths, e.g. to rule them out)
     native: bool = True
+    #: production mode (``KVSAN_SAMPLE``): the share of requests that get
+    #: every allocator check (0: staging mode, every request checked); the
+    #: rest cost next to nothing, and the pool-wide invariants stay on
+    sample: float = 0.0
+    #: the sampling key's seed (``KVSAN_SAMPLE_SEED``; None: drawn at start)
+    sample_seed: int | None = None
+
+    @property
+    def check_mode(self) -> str:
+        """``production`` (sampled requests) or ``staging`` (every request)."""
+        return "production" if self.sample else "staging"
 
 
 def _flag(env, name: str) -> bool:
@@ -127,6 +138,40 @@ def _quarantine(env) -> tuple[int, bool]:
     )
 
 
+#: the rate ``KVSAN_SAMPLE=on`` means: one request in 64 (at 256 live
+#: requests, four are watched at any time)
+DEFAULT_SAMPLE = 1 / 64
+_SAMPLE_ACCEPTS = ("on (the default rate, 1/64), a fraction 1/N, a decimal in (0, 1] "
+                   "such as 0.02, or a percentage such as 2%; unset or 0 for staging "
+                   "mode (every request checked)")
+
+
+def _sample(env) -> float:
+    raw = env.get("KVSAN_SAMPLE", "").strip()
+    if raw in ("", "0", "off"):
+        return 0.0
+    if raw == "on":
+        return DEFAULT_SAMPLE
+    try:
+        if raw.endswith("%"):
+            rate = float(raw[:-1]) / 100
+        elif "/" in raw:
+            num, den = raw.split("/", 1)
+            rate = int(num) / int(den)
+        else:
+            rate = float(raw)
+    except (ValueError, ZeroDivisionError):
+        rate = -1.0
+    if not 0 < rate <= 1:  # (nan fails both)
+        raise ConfigError(f"KVSAN_SAMPLE={raw!r} is not accepted; use {_SAMPLE_ACCEPTS}")
+    return rate
+
+
+def _seed(env) -> int | None:
+    raw = env.get("KVSAN_SAMPLE_SEED", "").strip()
+    return _int(env, "KVSAN_SAMPLE_SEED", 0) if raw else None
+
+
 def from_env(env=None) -> Config:
     """Read the KVSAN_* variables.  Raises :class:`ConfigError` on any bad value."""
     env = os.environ if env is None else env
@@ -154,4 +199,6 @@ def from_env(env=None) -> Config:
         quarantine=quarantine,
         pressure=pressure,
         native=_flag(env, "KVSAN_NATIVE") if env.get("KVSAN_NATIVE", "").strip() else True,
+        sample=_sample(env),
+        sample_seed=_seed(env),
     )

@@ -77,9 +77,37 @@ class Metrics:
             ["reason", *LABELS],
             registry=registry,
         )
+        #: which checks run (``mode``: staging, every request; production,
+        #: the sampled share ``sample_rate``): a dashboard reading 0
+        #: violations knows how much was watched.  One series per process.
+        self._mode_family = Gauge(
+            "kvsan_mode_info",
+            "kvsan's check mode (staging: every request; production: a sampled share).",
+            ["mode", "sample_rate", *LABELS], registry=registry, multiprocess_mode="livemax")
+        self._mode: tuple[str, str] | None = None
+        self._sampling_family = {
+            "admitted": gauge("kvsan_admitted_requests",
+                              "Requests the scheduler admitted since start (production mode)."),
+            "sampled": gauge("kvsan_sampled_requests",
+                             "Requests production mode sampled and checked since start."),
+            "guarded": gauge("kvsan_guarded_blocks",
+                             "Blocks production mode guards now (held by sampled requests)."),
+        }
         self._flushed_overhead = 0.0
         self._flushed_steps = 0
         self._bind(engine, rank)
+
+    def set_mode(self, mode: str, sample_rate: float) -> None:
+        """``kvsan_mode_info{mode, sample_rate} 1`` for this process."""
+        self._mode = (mode, f"{sample_rate:g}")
+        self._mode_family.clear()
+        self._mode_family.labels(mode=self._mode[0], sample_rate=self._mode[1],
+                                 **self._labels).set(1)
+
+    def update_sampling(self, admitted: int, sampled: int, guarded: int) -> None:
+        self._sampling["admitted"].set(admitted)
+        self._sampling["sampled"].set(sampled)
+        self._sampling["guarded"].set(guarded)
 
     def _bind(self, engine: int, rank: int) -> None:
         """Bind every series to this process's labels."""
@@ -94,6 +122,9 @@ class Metrics:
             setattr(self, attr, family.labels(**self._labels))
         self._overhead = self._overhead_family.labels(**self._labels)
         self._steps = self._steps_family.labels(**self._labels)
+        self._sampling = {k: f.labels(**self._labels) for k, f in self._sampling_family.items()}
+        if self._mode is not None:
+            self.set_mode(self._mode[0], float(self._mode[1]))
 
     def relabel(self, engine: int, rank: int) -> None:
         """This process's engine or rank turned out other than its name
@@ -112,7 +143,7 @@ class Metrics:
             for reason in REASONS:
                 self._lost_family.remove(reason, *old.values())
             for family in (self._internal_family, self._overhead_family, self._steps_family,
-                           *self._gauges.values()):
+                           *self._gauges.values(), *self._sampling_family.values()):
                 family.remove(*old.values())
         except Exception:  # noqa: BLE001 - multiprocess mode keeps what was written
             pass
@@ -134,8 +165,10 @@ class Metrics:
         parent's.  Drop them all and bind this process's labels: the child
         exports its own counts only (the parent keeps exporting its own)."""
         for family in (self._violations, self._internal_family, self._overhead_family,
-                       self._steps_family, self._lost_family, *self._gauges.values()):
+                       self._steps_family, self._lost_family, *self._gauges.values(),
+                       self._mode_family, *self._sampling_family.values()):
             family.clear()
+        self._mode = None
         self.role = role
         self._flushed_overhead = 0.0
         self._flushed_steps = 0

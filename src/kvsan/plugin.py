@@ -51,6 +51,11 @@ def install(cfg: _config.Config, role: str | None = None,
         rt.metrics = rt.reporter.metrics = inherited.forked(rt.role, rt.engine, rt.rank)
     _rt.set_runtime(rt)
     rt.native = hooks.use_native(cfg.native)
+    if rt.metrics is not None:
+        try:
+            rt.metrics.set_mode(cfg.check_mode, cfg.sample or 1.0)
+        except Exception:  # noqa: BLE001 - e.g. an unwritable multiprocess directory
+            rt.reporter.internal_errors += 1
     done = INSTRUMENTOR.instrument(rt, cfg)
     # (hooks patched at once by a post-import hook, for a module already
     # imported, are kept)
@@ -65,6 +70,8 @@ def install(cfg: _config.Config, role: str | None = None,
     rt.reporter.event(
         "kvsan.installed",
         mode=cfg.mode,
+        check_mode=cfg.check_mode,
+        **({"sample_rate": cfg.sample} if cfg.sample else {}),
         native=rt.native,
         vllm=done.version,
         hooks=done.hooks,

@@ -133,6 +133,9 @@ class Runtime:
         self.device_s = 0.0
         #: kvsan's C speed-ups are in use in this process (set at install)
         self.native = False
+        #: production mode's sampler (:class:`kvsan.checks.sampled.Sampler`),
+        #: in a scheduler's process with ``KVSAN_SAMPLE`` set; else None
+        self.sampler = None
 
     def current_owner(self) -> str | None:
         return self.owner_ctx[-1][0] if self.owner_ctx else None

@@ -99,6 +99,16 @@ class Instrumentor:
         ver = version()
         done = Installed(ver, supported(ver))
         installed, missing = done.hooks, done.missing
+        if cfg.sample:  # production mode: sampled requests' blocks, no worker side
+            if rt.role != "worker":
+                from . import sampled
+
+                layouts.gate(rt, layouts.CONTRACT)
+                got, lost = sampled.install(rt, cfg)
+                installed += got
+                missing += lost
+            done.contract = self._check_contract(rt, cfg)
+            return done
         if rt.role != "worker":
             # (before patching: the hooks made now are the C ones or not)
             layouts.gate(rt, layouts.CONTRACT)
@@ -131,13 +141,14 @@ class Instrumentor:
         """Restore every method kvsan patched in vLLM."""
         from ... import hooks
         from ...report import BEFORE_ABORT
-        from . import abort, engine, faults, identity, owners, quarantine, weights
+        from . import abort, engine, faults, identity, owners, quarantine, sampled, weights
 
         if engine.announce_end in BEFORE_ABORT:
             BEFORE_ABORT.remove(engine.announce_end)
         abort.uninstall()
         faults.clear()  # (KVSAN_INJECT's fault: patched by kvsan, so removed with it)
         quarantine.uninstall()
+        sampled.uninstall()
         weights.uninstall()
         identity.uninstall()
         worker = sys.modules.get(__name__ + ".worker")  # (imported where it ran)
@@ -200,6 +211,11 @@ class Instrumentor:
         from . import allocator, identity, owners, weights, worker
 
         contracts = []
+        if cfg.sample:  # (production mode: the scheduler side's allocator names only)
+            result = _contract.check([allocator.CONTRACT] if rt.role != "worker" else [])
+            result.native_off = list(getattr(rt, "native_off", ()))
+            rt.contract = result
+            return result
         if rt.role != "worker":
             contracts += [allocator.CONTRACT, identity.CONTRACT, weights.CONTRACT,
                           owners.CONTRACT]
