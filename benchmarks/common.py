@@ -21,6 +21,13 @@ ENV = {
 }
 
 
+#: production mode (``KVSAN_SAMPLE=on``: one request in 64 checked, the
+#: pool-wide invariants for all), run beside the others by the scheduler
+#: and end-to-end benchmarks
+PRODUCTION = "production"
+ENV[PRODUCTION] = {"KVSAN": "1", "KVSAN_LOG": "0", "KVSAN_SAMPLE": "on"}
+
+
 #: the scheduler benchmark also runs ``python``: default with KVSAN_NATIVE=0
 #: (kvsan's C speed-ups off), to show what they save side by side
 NATIVE_OFF = "python"
@@ -31,6 +38,10 @@ def config_for(setting: str):
 
     if setting == "off":
         return None
+    if setting == PRODUCTION:
+        from kvsan.config import DEFAULT_SAMPLE
+
+        return Config(enabled=True, log_events=False, sample=DEFAULT_SAMPLE, sample_seed=0)
     return Config(enabled=True, log_events=False, audit_every=1 if setting == "strict" else 0,
                   native=setting != NATIVE_OFF)
 

@@ -153,7 +153,8 @@ MODEL_ROUNDS = {"tiny (2x256)": 12, "medium (4x512)": 4}
 
 
 def bench(models=None, rounds: int | None = None, groups: int = 6, per_group: int = 5,
-          seed: int = 0, absent: bool = True, procs: int = 2, batches: int = 2) -> dict:
+          seed: int = 0, absent: bool = True, procs: int = 2, batches: int = 2,
+          only=None) -> dict:
     """``rounds``: of the workload per lane, for every model; by default
     :data:`MODEL_ROUNDS` (4 for a model not named there)."""
     from . import lanes
@@ -165,7 +166,8 @@ def bench(models=None, rounds: int | None = None, groups: int = 6, per_group: in
     res = {}
     for i, (name, path) in enumerate(models.items()):
         n_rounds = rounds if rounds is not None else MODEL_ROUNDS.get(name, 4)
-        settings = [s for s in LANES if s != "off" and (absent and i == 0 or s != "absent")]
+        settings = [s for s in LANES if s != "off" and (absent and i == 0 or s != "absent")
+                    and (only is None or s in only)]
         code = lane_code(path, n_rounds, groups, per_group, seed)
         for s in settings:  # each against its own off processes
             got = {}

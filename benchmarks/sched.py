@@ -251,6 +251,7 @@ def serve_lane(setting: str, n: int, steps: int, seed: int, num_blocks: int,
                 "aborted": lane.aborted, "preempted": lane.preempted,
                 "evicted": ck.counters["evicted"] if ck is not None else None,
                 "violations": [v.kind for v in rt.violations()] if rt is not None else [],
+                "kvsan_errors": rt.reporter.internal_errors if rt is not None else 0,
                 "native": bool(rt.native) if rt is not None else None,
                 **(extra() if extra is not None else {})}
 
@@ -285,6 +286,8 @@ def run_lanes(n: int, steps: int, seed: int = 0, num_blocks: int | None = None,
     for name, o in each.items():
         if o["violations"]:
             raise AssertionError(f"{name}: violations on clean traffic: {o['violations']}")
+        if o.get("kvsan_errors"):
+            raise AssertionError(f"{name}: kvsan counted {o['kvsan_errors']} error(s) of its own")
     out = {}
     for s in settings:
         runs = [each[f"{s}#{i}"]["times"] for i in range(processes)]

@@ -21,8 +21,32 @@ def test_sched_lockstep_tiny():
     res = sched.bench(sizes=(8,), steps=4, chunks=2)
     r = res[8]
     assert r["off_us"] > 0 and len(r["default"]) == 2 and len(r["strict"]) == 2
+    assert len(r["production"]) == 2 and r["sampled"]["admitted"] > 0
     assert "| 8 |" in sched.markdown(res)
     assert current_runtime() is before  # the lanes install nothing here
+
+
+def test_detection_tiny():
+    """Detection under sampling: with every request sampled the fault is
+    reported naming a sampled owner; with (almost) none sampled the same
+    runs report it under no sampled owner; the pool-wide free count is
+    checked whatever the rate."""
+    from benchmarks import detection
+    from kvsan import current_runtime
+
+    before = current_runtime()
+    only = ["touch_without_ref", "negative-block-count"]
+    full = detection.bench(seeds=1, rate=1.0, requests=64, entry_seeds=2, only=only)
+    none = detection.bench(seeds=1, rate=1e-12, requests=64, entry_seeds=2, only=only)
+    [run] = full["faults"]["touch_without_ref"]
+    assert run["detected_at"] is not None and run["sampled"] and run["kind"] == "free_with_live_owners"
+    [run] = none["faults"]["touch_without_ref"]
+    assert not run["sampled"]
+    for res in (full, none):
+        assert res["entries"]["negative-block-count"]["hits"] == 2
+    text = detection.markdown(full)
+    assert "| touch_without_ref | 1/1 |" in text and "negative-block-count | 2/2" in text
+    assert current_runtime() is before
 
 
 def test_events_tiny():

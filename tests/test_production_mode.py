@@ -33,6 +33,8 @@ def production(rate, native=True, report=None, seed=7):
     rt.sampler.epoch_requests = 10 ** 9  # (one epoch: the ids picked below stay decided)
     try:
         yield rt
+        # (this runtime's own failures: the session fixture watches the session's only)
+        assert rt.reporter.internal_errors == 0, sorted(rt.reporter._error_sites)
     finally:
         plugin.uninstall()
         if old is not None:

@@ -20,9 +20,11 @@ free queue by another request while a sampled owner still holds it is
 engine's own block tables before anything is reported (``holds``), so a
 release kvsan could not attribute is forgotten, never reported.
 
-Pool-wide, for every request: when the engine goes idle, every block but
-the null block is free (``leaked_blocks``, ``refcount_underflow``) and the
-free queue counts them all (``free_queue_corruption``).
+Pool-wide, for every request: after every step the free count is within
+the pool (``free_queue_corruption``); when the engine goes idle, every
+block but the null block is free (``leaked_blocks``,
+``refcount_underflow``) and the free queue counts them all
+(``free_queue_corruption``).
 
 Engine-agnostic: block ids, request ids, counts and call sites only.
 """
@@ -108,6 +110,9 @@ class SampledChecker:
         self.last_release: dict[int, tuple[str, int, str]] = {}
         self.counters: Counter[str] = Counter()
         self.guarded_peak = 0
+        #: blocks the engine can hand out (all but the null blocks)
+        self.usable = num_blocks - len(self.null_blocks)
+        self._free_reported = False
 
     # -- admission -------------------------------------------------------------
     def admit(self, request_id: str) -> bool:
@@ -207,6 +212,24 @@ class SampledChecker:
                          blocks, [request_id], request_id, site)
 
     # -- pool-wide, every request ------------------------------------------------
+    def free_count(self, num_free: int, site: str, unreferenced: int | None = None) -> None:
+        """The engine's free count out of its range (checked every step),
+        or not the number of unreferenced blocks (``unreferenced``, when
+        counted).  Reported once: it stays wrong."""
+        if not self._free_reported:
+            self._free_reported = True
+            what = (f"outside 0..{self.usable} (the pool's usable blocks)" if unreferenced is None
+                    else f"but {unreferenced} blocks unreferenced")
+            self._report(kinds.FREE_QUEUE_CORRUPTION, f"free count {num_free} {what}",
+                         [], ["unsampled"], None, site)
+
+    def conservation(self, refs: list[int], num_free: int, site: str) -> None:
+        """The free count equals the blocks no one references (the null
+        blocks aside): ``KVSAN_AUDIT_EVERY``'s audit in production mode."""
+        unreferenced = sum(1 for b, r in enumerate(refs) if r == 0 and b not in self.null_blocks)
+        if num_free != unreferenced:
+            self.free_count(num_free, site, unreferenced)
+
     def idle_audit(self, refs: list[int], num_free: int, site: str = "kvsan.idle") -> int:
         """At idle, every block but the null block is free: ``refs`` is the
         engine's reference count per block, ``num_free`` its free count."""

@@ -9,6 +9,7 @@ for the engine-agnostic checks in :mod:`kvsan.checks`:
 ``identity``   the identity audit: what each request's cache key should be
 ``weights``    weight changes (fingerprints after RPCs, sleep and wake-up)
 ``quarantine`` ``KVSAN_QUARANTINE`` / ``KVSAN_PRESSURE`` (scheduler side)
+``sampled``    ``KVSAN_SAMPLE``: production mode's guarded blocks
 ``worker``     the model runner's steps: write guard, checksums, poison
 ``inputs``     the runner's input tokens, read extents and block-table rows
 ``owners``     the ``EngineCore.kvsan_owners`` utility (``kvsan owners``)

@@ -217,8 +217,18 @@ def _schedule(wrapped, instance, args, kwargs):
     if rt is not None:
         rt.step += 1
         w = _watch_of(instance)
-        if w is not None and w.ck.live:
-            _guard(rt, "sampled", _scan, w, instance)
+        if w is not None:
+            # free-count conservation, every step, for every request (O(1))
+            free = instance.kv_cache_manager.block_pool.free_block_queue.num_free_blocks
+            if not 0 <= free <= w.ck.usable:
+                _guard(rt, "sampled", w.ck.free_count, free, SCHEDULED)
+            every = rt.config.audit_every  # (KVSAN_AUDIT_EVERY: the O(pool) count as well)
+            if every and rt.step % every == 0:
+                pool = instance.kv_cache_manager.block_pool
+                _guard(rt, "sampled", w.ck.conservation, [b.ref_cnt for b in pool.blocks],
+                       free, "kvsan.audit")
+            if w.ck.live:
+                _guard(rt, "sampled", _scan, w, instance)
     return ret
 
 
@@ -246,6 +256,8 @@ def _scan(w: Watch, sched) -> None:
             if n == k:
                 continue
             known[g] = n
+            if not n:  # (preempted: its table dropped)
+                continue
             for b in blocks[k if n > k else 0:n]:
                 if b.is_null:
                     continue
