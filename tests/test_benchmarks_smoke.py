@@ -45,7 +45,7 @@ def test_detection_tiny():
     for res in (full, none):
         assert res["entries"]["negative-block-count"]["hits"] == 2
     text = detection.markdown(full)
-    assert "| touch_without_ref | 1/1 |" in text and "negative-block-count | 2/2" in text
+    assert "| touch_without_ref | 1/1, 1.00 (" in text and "negative-block-count | 2/2" in text
     assert current_runtime() is before
 
 
