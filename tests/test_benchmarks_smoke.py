@@ -100,7 +100,7 @@ def test_e2e_aggregation(monkeypatch):
     (``python -m benchmarks --quick --only e2e`` runs them)."""
     from benchmarks import e2e, lanes
 
-    slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2}
+    slow = {"off": 1.0, "absent": 1.0, "default": 1.02, "strict": 1.2, "production": 1.005}
 
     def fake(spec):
         got = {}
@@ -111,7 +111,8 @@ def test_e2e_aggregation(monkeypatch):
                                    for r in range(2) for _ in range(5)],
                          "summary": {"rounds": [{"tokens": 10, "steps": 5, "outputs": "same",
                                                  "kvsan_s": 0.0005, "device_s": 0.0001}] * 2,
-                                     "violations": 0, "kvsan": s in ("default", "strict")}}
+                                     "violations": 0,
+                                     "kvsan": s in ("default", "strict", "production")}}
         return got
 
     monkeypatch.setattr(lanes, "run", fake)
@@ -125,6 +126,7 @@ def test_e2e_aggregation(monkeypatch):
         [1 / 1.02, 1 / (1.02 * 1.04), 1 / 1.02, 1 / 1.02])
     assert res["m"]["absent"]["processes"] == pytest.approx([1.0] * 4)
     assert res["m"]["strict"]["throughput_all"] == pytest.approx(1 / 1.2)
+    assert res["m"]["production"]["throughput_all"] == pytest.approx(1 / 1.005)
     # kvsan's own time in all processes against all processes' step time
     assert res["m"]["default"]["kvsan_share"] == pytest.approx(
         [4 * 0.0005 / (0.005 * 1.02 * (1 + 1.04 + 2 * 1.1))] * 2)
