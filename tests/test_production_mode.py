@@ -321,3 +321,40 @@ def test_sampler_rotates():
     assert len(set().union(*by_epoch)) > 0.8 * len(ids)  # covering most ids
     decided = [s.admit(f"x{i}") for i in range(250)]
     assert s.epoch == 2 and any(decided)
+
+
+def test_prefix_hit_without_reference_both_sampled():
+    """``touch_without_ref`` with both requests sampled: the hitter is seen
+    holding a block whose count covers one of its two sampled holders, at
+    the scan that follows the step (before anyone frees it)."""
+    from kvsan.hooks.vllm import faults, sampled
+
+    with production(1.0) as rt:
+        sched = scheduler()
+        sched.add_request(request("F", [940] * 5))
+        steps(sched, 2)
+        faults.inject("touch_without_ref")
+        try:
+            sched.add_request(request("H", [941] * 5))
+            steps(sched, 1)
+        finally:
+            faults.clear()
+        shared = tables(sched, "H")[:3]
+        v = only(rt, "free_with_live_owners")
+        assert sorted(x.blocks[0] for x in v) == sorted(shared)
+        assert all(x.owners == ["F", "H"] and x.actor == "H" for x in v)
+        assert all(x.site == sampled.SCHEDULED for x in v)
+
+
+def test_guard_budget():
+    """A fixed budget of guarded blocks (KFENCE's pool): a request admitted
+    while it is spent is not sampled, and says so in the counters."""
+    from kvsan.checks.sampled import SampledChecker
+
+    ck = SampledChecker(16, emit=lambda v: None, step=lambda: 0, holds=lambda o, b: True,
+                        budget=2)
+    assert ck.admit("a")
+    ck.adopt(1, "a", "s")
+    ck.adopt(2, "a", "s")
+    assert not ck.admit("b") and ck.stats()["budget_full"] == 1
+    assert "b" not in ck.live and ck.stats()["guarded"] == 2
