@@ -29,20 +29,37 @@ def programs(n, seed=0):
         yield program.decode(bytes(rng.randrange(256) for _ in range(rng.randrange(20, 300))))
 
 
+def clear_of_known_vllm_bugs(p):
+    """``p`` without the three uses that reach vLLM 0.32 bugs known upstream
+    (docs/fuzzing.md, triage): a free delayed while the request's own load
+    is pending (#46240), streaming sessions with draft tokens (#44526) and
+    two sessions under pool pressure (#49439)."""
+    adds = [op for op in p["ops"] if op[0] == "add"]
+    sessions = [op for op in adds if len(op) > 10 and op[10]]
+    for op in adds:
+        if op[9] is not None and op[9][1]:
+            op[9][3] = False
+    for op in sessions[0 if p["config"]["spec"] else 1:]:
+        op[10] = False
+    return p
+
+
 def test_clean_programs_report_nothing(rt):
     """Random programs over every configuration the decoder builds (layouts,
-    async scheduling, draft tokens, the connector stub): no violation, no
-    vLLM exception, no harm in vLLM's state, no kvsan error."""
+    async scheduling, draft tokens, the connector stub, sessions): no
+    violation, no vLLM exception, no harm in vLLM's state, no kvsan error."""
     from kvsan.harness.fuzz import scheduler
 
-    seen = {"async": 0, "spec": 0, "connector": 0, "hybrid": 0, "sliding": 0}
-    for p in programs(150):
+    seen = {"async": 0, "spec": 0, "connector": 0, "hybrid": 0, "sliding": 0, "session": 0}
+    for p in programs(90):
+        p = clear_of_known_vllm_bugs(p)
         out = scheduler.execute(p, check_harm=True)
         assert (out.violations, out.error, out.harm, out.internal) == ([], None, [], []), p
         c = p["config"]
         for k in ("async", "spec", "connector"):
             seen[k] += bool(c[k])
         seen[c["layout"]] = seen.get(c["layout"], 0) + 1
+        seen["session"] += any(op[0] == "add" and op[10] for op in p["ops"])
     assert all(seen.values()), seen
 
 
@@ -57,20 +74,25 @@ def test_builtin_fault_found_and_shrunk(rt):
     hit = None
     with faultctx.active("touch_without_ref"):
         for p in programs(400, seed=1):
+            p = clear_of_known_vllm_bugs(p)
             v = [x for x in scheduler.execute(p).violations if x["kind"] == "free_with_live_owners"]
             if v:
                 hit = (p, (v[0]["kind"], v[0]["site"]))
                 break
         assert hit is not None
         p, key = hit
-        small = shrink.shrink(p, lambda q: key in findings.keys(scheduler.execute(q)),
-                              budget_s=20)
+        small = shrink.shrink(p, lambda q: key in findings.keys(
+            scheduler.execute(clear_of_known_vllm_bugs(q))),
+                              budget_s=8)
         assert len(small["ops"]) <= len(p["ops"])
+        small = clear_of_known_vllm_bugs(small)
         out = scheduler.execute(small)
         v = [x for x in out.violations if (x["kind"], x["site"]) == key]
         assert v and v[0]["blocks"] and v[0]["owners"]
         adds = sum(op[0] == "add" for op in small["ops"])
-        assert {o for x in v for o in x["owners"]} <= {f"r{i}" for i in range(adds)}
+        # (a request, or a transfer lease of one: send:<rid>, load:<rid>)
+        assert {o.split(":")[-1] for x in v for o in x["owners"]} <= \
+            {f"r{i}" for i in range(adds)}, v[0]["owners"]
     plugin.uninstall()
     try:
         with faultctx.active("touch_without_ref"):
@@ -103,34 +125,21 @@ def test_usage_errors_exit_2(tmp_path):
 
 
 @atheris_missing
-@pytest.mark.slow
-def test_campaign_with_a_fault_writes_a_reproducer(tmp_path):
-    """The command with a built-in fault: exit 1, one JSON line per finding
-    (kind, blocks, call site, reproducer), and the reproducer shows the
+def test_rediscovery_smoke(tmp_path):
+    """The rediscovery driver on one real-bug entry (tpu-inference#3449's
+    zombie rows: async scheduling, a consumer connector, a natural finish):
+    the search from an empty corpus finds an expected kind the program does
+    not show with the fault off, stops there, and the reproducer shows the
     harm with kvsan off and the violation with kvsan on."""
-    r = _fuzz(tmp_path, "--inject", "touch_without_ref", "--seed", "3", seconds=12)
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "execs" in r.stdout and "coverage" in r.stdout
-    lines = [json.loads(x) for x in open(tmp_path / "out.json")]
-    assert lines and all({"kind", "blocks", "site", "reproducer"} <= set(x) for x in lines)
-    # (a prefix hit that takes no reference: the hit blocks go back to the
-    # free queue under their readers; with it underflows, mismatches)
-    lifetime = {"free_with_live_owners", "double_release", "refcount_underflow",
-                "refcount_mismatch", "free_queue_corruption", "reuse_with_live_owners",
-                "evict_with_live_owners"}
-    mine = sorted((x for x in lines if x["kind"] in lifetime and x["reproduced"]),
-                  key=lambda x: x["kind"] != "free_with_live_owners")
-    assert mine and mine[0]["blocks"], [(x["kind"], x["site"], x["reproduced"]) for x in lines]
-    rep = subprocess.run([sys.executable, mine[0]["reproducer"]], capture_output=True,
-                         text=True, cwd=str(tmp_path), timeout=300)
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, "-m", "kvsan.harness.fuzz.rediscover", "--seconds",
+                        "60", "--json", str(out), "finished-zombie-rows"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=400)
+    assert r.returncode == 0, r.stdout + r.stderr
+    row = json.loads(open(out).readline())
+    assert row["found_after_s"] is not None, row
+    assert set(row["kinds_found"]) & {"free_with_live_owners", "reuse_with_live_owners"}
+    rep = subprocess.run([sys.executable, row["reproducer"]], capture_output=True, text=True,
+                         cwd=str(tmp_path), timeout=300)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert "harm:" in rep.stdout and "<- this finding" in rep.stdout
-
-
-@atheris_missing
-@pytest.mark.slow
-def test_clean_campaign_exits_0(tmp_path):
-    r = _fuzz(tmp_path, "--corpus", str(tmp_path / "corpus"), seconds=4)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert "0 finding(s)" in r.stdout
-    assert os.listdir(tmp_path / "corpus")  # the corpus persists

@@ -150,7 +150,10 @@ def _fault_off(fault: str, execute, prog):
 
 
 def report(found: list[dict], args, say) -> list[dict]:
-    """Deduplicate, shrink and write a reproducer for each finding."""
+    """Deduplicate, shrink and write a reproducer for each finding.  Under
+    a fault the vLLM installed does not carry, a finding the program also
+    shows with the fault off is the installed vLLM's (``fault_only``
+    False), and shrinking keeps the program one that needs the fault."""
     from . import faultctx, findings as fnd, replay, shrink
 
     fault = _fault(args)
@@ -159,8 +162,24 @@ def report(found: list[dict], args, say) -> list[dict]:
     out_dir = args.findings_dir
     os.makedirs(out_dir, exist_ok=True)
     budget_end = time.monotonic() + args.shrink_seconds
-    results, done, progs = [], set(), []
-    with faultctx.active(fault, builtin_by_plugin=True):
+    results, done = [], set()
+    check_off = bool(fault) and not faultctx.native(fault)
+    ctx = faultctx.active(fault, builtin_by_plugin=True)
+    ctx.__enter__()
+
+    def without_fault(prog) -> dict:
+        nonlocal ctx
+        ctx.__exit__(None, None, None)
+        try:
+            return fnd.keys(_fault_off(fault, execute, prog))
+        finally:
+            ctx = faultctx.active(fault, builtin_by_plugin=True)
+            ctx.__enter__()
+
+    def fault_only(key, prog) -> bool | None:
+        return key not in without_fault(prog) if check_off else None
+
+    try:
         for f in found:
             key = (f["kind"], f["site"])
             if key in done:
@@ -181,26 +200,30 @@ def report(found: list[dict], args, say) -> list[dict]:
                         continue
                     done.add(key)
             reproduced = key in again
+            own = fault_only(key, prog) if reproduced else None
             if reproduced and left > 1:
-                prog = shrink.shrink(prog, lambda p: key in fnd.keys(execute(p)),
+                need_fault = own is True
+
+                def keeps(p, key=key, need_fault=need_fault):
+                    return key in fnd.keys(execute(p)) and \
+                        (not need_fault or key not in without_fault(p))
+
+                prog = shrink.shrink(prog, keeps,
                                      budget_s=min(left, max(5.0, args.shrink_seconds / 4)))
             blocks = fnd.keys(execute(prog)).get(key, f["blocks"])
-            progs.append((key, prog))
             name = f"{key[0]}-{hashlib.sha1(repr(key).encode()).hexdigest()[:8]}.py"
             path = os.path.abspath(os.path.join(out_dir, name))
             replay.write(path, prog, fault, key[0], key[1], args.target)
             rec = {"kind": key[0], "blocks": blocks, "site": key[1], "reproducer": path,
                    "operations": len(prog["ops"]), "reproduced": reproduced,
-                   "fault": fault, "found_after_s": f.get("t"), "fault_only": None}
+                   "fault": fault, "found_after_s": f.get("t"), "fault_only": own}
             results.append(rec)
             say(f"  {key[0]} at {key[1]}: blocks {blocks}, {len(prog['ops'])} operations "
-                f"-> {path}" + ("" if reproduced else " (did not reproduce on its own)"))
-    if fault and not faultctx.native(fault):
-        # (the fault's own finding, or one of the vLLM installed: each
-        # reproduced program again with the fault off)
-        for rec, (key, prog) in zip(results, progs):
-            if rec["reproduced"]:
-                rec["fault_only"] = key not in fnd.keys(_fault_off(fault, execute, prog))
+                f"-> {path}" + ("" if reproduced else " (did not reproduce on its own)")
+                + (" (shown with the fault off too: the installed vLLM's)" if own is False
+                   else ""))
+    finally:
+        ctx.__exit__(None, None, None)
     return results
 
 

@@ -58,12 +58,13 @@ def main(argv=None) -> int:
         # installed vLLM's, not the entry's: not a rediscovery)
         hits = [f for f in found if f["kind"] in e.expected_kinds and f["reproduced"]
                 and f.get("fault_only") is not False]
-        t = min((f["found_after_s"] for f in hits if f.get("found_after_s") is not None),
-                default=None)
+        hits.sort(key=lambda f: (f.get("found_after_s") is None, f.get("found_after_s") or 0))
+        t = hits[0].get("found_after_s") if hits else None
         row = {"id": eid, "measured": True, "seconds": args.seconds, "exit": r.returncode,
                "expected": list(e.expected_kinds), "found_after_s": t, "wall_s": wall,
                "kinds_found": sorted({f["kind"] for f in found if f["reproduced"]}),
-               "native": e.carries(ver)}
+               "native": e.carries(ver),
+               "reproducer": hits[0]["reproducer"] if hits else None}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

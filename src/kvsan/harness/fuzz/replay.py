@@ -31,8 +31,12 @@ FAULT = {fault!r}
 KIND = {kind!r}
 SITE = {site!r}
 TARGET = {target!r}
+#: the kvsan checkout whose benchmarks/realbugs entry the fault names
+CHECKOUT = {checkout!r}
 
 if __name__ == "__main__":
+    if FAULT and FAULT.startswith("realbug:"):
+        sys.path.insert(0, CHECKOUT)
     from kvsan.harness.fuzz.replay import main
 
     sys.exit(main(PROGRAM, FAULT, KIND, SITE, TARGET))
@@ -43,6 +47,7 @@ def write(path: str, program: dict, fault: str | None, kind: str, site: str,
           target: str = "scheduler") -> None:
     text = _TEMPLATE.format(
         kind=kind, site=site, n=len(program["ops"]), fault=fault, target=target,
+        checkout=os.getcwd(),
         what="Scheduler, KV-cache managers and BlockPool" if target == "scheduler"
         else "engine on the tiny model",
         fault_text=fault or "none (the vLLM installed)", name=os.path.basename(path),

@@ -462,6 +462,8 @@ class SchedulerRun:
         """Every request aborted, then steps until nothing is in flight:
         what an engine going idle does."""
         self.abort(self.live())
+        if self.check_harm:
+            self.harm(final=False)
         for _ in range(64):
             if not (self.sched.has_requests() or self.queue):
                 break
@@ -475,7 +477,10 @@ class SchedulerRun:
         pool = self.sched.kv_cache_manager.block_pool
         found = self.out.harm
         holders: dict[int, int] = {}
-        live = set(self.live())
+        # (a finished request whose send is still pending holds its blocks
+        # for the send as a live one does)
+        live = set(self.live()) | {r for r, left in self.sending.items() if left is not None}
+        live |= set(self.loads)
         for mgr in self.sched.kv_cache_manager.coordinator.single_type_managers:
             for rid, blocks in mgr.req_to_blocks.items():
                 for b in blocks:
