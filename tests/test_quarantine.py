@@ -205,17 +205,17 @@ def test_a_violation_still_propagates_through_the_pressure_hook_in_raise_mode(pr
     assert (v.kind, v.blocks, v.owners, v.actor) == ("free_with_live_owners", [shared], ["B"], "A")
 
 
-def engine_run(tmp_path, quarantine):
+def start_engine_run(tmp_path, quarantine):
     """tests/abort_mode_child.py in log mode with ``touch_without_ref``
     (A's prefix hit on B's blocks takes no reference, so cancelling A frees
     them under B), then a new request C: the engine end to end, kvsan and
-    the quarantine mode loaded from the environment as a user sets them."""
+    the quarantine mode loaded from the environment as a user sets them.
+    Started, not waited for (:func:`engine_run` reads its outcome): two
+    runs boot side by side."""
     import os
     import subprocess
     import sys
 
-    from kvsan.harness.enginedrive import read_marked
-    from kvsan.reportfile import violations
     from kvsan.harness.tinymodel import ensure_tiny_model
 
     env = dict(os.environ, KVSAN="1", KVSAN_MODE="log", KVSAN_LOG="0",
@@ -224,12 +224,28 @@ def engine_run(tmp_path, quarantine):
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     env.pop("KVSAN_INJECT_ONLY", None)
     child = os.path.join(os.path.dirname(__file__), "abort_mode_child.py")
-    proc = subprocess.run([sys.executable, child, ensure_tiny_model(), "c"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.Popen([sys.executable, child, ensure_tiny_model(), "c"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return tmp_path, proc
+
+
+def engine_run(started):
+    """The outcome of a run :func:`start_engine_run` started: the request
+    ids, the engine's violations up to B's own release, the worker's."""
+    from kvsan.harness.enginedrive import read_marked
+    from kvsan.reportfile import violations
+
+    tmp_path, proc = started
+    try:
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     got = None
-    for line in proc.stdout.splitlines():
+    for line in stdout.splitlines():
         got = read_marked(line, "KVSAN_ABORT ") or got
-    assert proc.returncode == 0 and got is not None, proc.stderr[-3000:]
+    assert proc.returncode == 0 and got is not None, stderr[-3000:]
     ids = {r["owner"][0]: r["owner"] for r in got["owners"]}  # A, B -> internal ids
     found = violations(str(tmp_path))
     worker = [(v["kind"], v["blocks"], v["owners"], v["actor"]) for v in found
@@ -249,10 +265,16 @@ def test_pressure_in_the_engine_turns_the_early_free_into_a_reuse(tmp_path):
     free is reported; with ``KVSAN_QUARANTINE=pressure`` they are next in
     line, C's prefill takes both, and kvsan reports the reuse of each, naming
     B, the live owner, and C."""
-    ids, found, worker = engine_run(tmp_path / "lru", "0")
+    # (both engines boot side by side; each run is deterministic on its own)
+    lru = start_engine_run(tmp_path / "lru", "0")
+    pressure = start_engine_run(tmp_path / "pressure", "pressure")
+    try:
+        ids, found, worker = engine_run(lru)
+    finally:
+        pressure_run = engine_run(pressure)
     freed = [("free_with_live_owners", [b], [ids["B"]], ids["A"]) for b in (2, 1)]
     assert found == freed and worker == []
-    ids, found, worker = engine_run(tmp_path / "pressure", "pressure")
+    ids, found, worker = pressure_run
     freed = [("free_with_live_owners", [b], [ids["B"]], ids["A"]) for b in (2, 1)]
     assert found[:2] == freed
     c = next(v[3] for v in found if v[0] == "reuse_with_live_owners")
