@@ -7,11 +7,39 @@ with no polling (docs/reliability.md).
 A dashboard or an operator's script may poll the owners endpoint many
 times a second; each poll must not make the engine pay a snapshot.  This
 runs the same completion load (``--requests`` streaming completions,
-``--concurrency`` at a time, ``--max-tokens`` each) in alternating rounds,
-without polling and with ``--rate`` polls per second, and prints the
-throughput of each and their ratio.  Without ``--url`` it starts ``vllm
-serve`` on the generated tiny model with kvsan on (``KVSAN=1``,
-``VLLM_PLUGINS=kvsan``, an API key) and stops it after.
+``--concurrency`` at a time, ``--max-tokens`` each) in many short rounds,
+alternately without polling and with ``--rate`` polls per second (ABBA:
+each pair swaps which goes first, so drift favours neither side), and
+prints each side's median throughput with its interquartile range and the
+ratio of the medians.  Without ``--url`` it starts ``vllm serve`` on the
+generated tiny model with kvsan on (``KVSAN=1``, ``VLLM_PLUGINS=kvsan``, an
+API key) and stops it after.
+
+Pinning (``--pin ENGINE/FRONT``, default ``0/1``; ``none`` to leave the
+kernel to place them).  On a small host the load generator, the polling
+client and the server share the cores, and where the kernel puts the
+engine decides the figure more than anything measured: vLLM's CPU backend
+binds the worker's OpenMP threads to one core (``VLLM_CPU_OMP_THREADS_BIND``
+``auto``: core 0, the other "reserved") and leaves EngineCore and the API
+server to float; the worker busy-waits (``sched_yield``) on its shared-memory
+queue for a second after each step, so rounds in which EngineCore lands on
+the worker's core run about 3x slower than rounds in which it does not, in
+two clusters.  Pinned, the engine -- EngineCore and its worker process, all
+their threads, with ``VLLM_CPU_OMP_THREADS_BIND`` set to the same cores --
+runs on ENGINE, and the API server (where the endpoint's handler runs), the
+load generator and the polling client (this process) on FRONT: what is
+measured is the engine's serving throughput and what polling costs it, not
+the client's CPU competing with the engine, and every round has the same
+placement.  Absolute figures are then lower than vLLM's own layout
+(EngineCore on the reserved core): the ratio is the figure.  A started
+server is pinned after it answers ``/health`` (threads started later
+inherit their creator's cores); with ``--url`` only this process is pinned.
+
+Besides throughput, which a busy host's other jobs move, each round reads
+the engine processes' CPU time from ``/proc/<pid>/stat``: the engine's CPU
+seconds per 1000 tokens generated do not count the time another job held
+the core, so polled against not polled they show the engine-side cost
+directly, and the API server's CPU per 1000 tokens shows the front end's.
 """
 
 from __future__ import annotations
@@ -28,7 +56,7 @@ import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from statistics import median
+from statistics import quantiles
 
 API_KEY = "kvsan-bench-key"
 
@@ -42,7 +70,8 @@ def _free_port() -> int:
 class Server:
     """``vllm serve`` on the tiny model with kvsan and its endpoint plugin."""
 
-    def __init__(self, workdir: str, api_key: str | None = API_KEY, env: dict | None = None):
+    def __init__(self, workdir: str, api_key: str | None = API_KEY, env: dict | None = None,
+                 pin: tuple[set[int], set[int]] | None = None):
         from kvsan.harness.tinymodel import ensure_tiny_model
 
         self.model = ensure_tiny_model()
@@ -54,6 +83,8 @@ class Server:
         full = {k: v for k, v in os.environ.items() if not k.startswith("KVSAN")}
         full.update(KVSAN="1", KVSAN_REPORT=self.report, VLLM_PLUGINS="kvsan",
                     **(env or {}))
+        if pin is not None:  # the worker's OpenMP threads on the engine's cores
+            full["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(pin[0])))
         vllm = os.path.join(os.path.dirname(sys.executable), "vllm")
         cmd = [vllm, "serve", self.model, "--host", "127.0.0.1", "--port", str(self.port),
                "--skip-tokenizer-init", "--dtype", "float32", "--block-size", "32",
@@ -79,6 +110,10 @@ class Server:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vllm serve not up after 600 s:\n{self.log_tail()}")
                 time.sleep(1)
+        self.engine_pids: list[int] = []
+        self.front_pids: list[int] = [self.proc.pid]
+        if pin is not None:
+            self.engine_pids, self.front_pids = pin_server(self.proc.pid, *pin)
 
     def log_tail(self, n: int = 4000) -> str:
         with open(self.log, errors="replace") as f:
@@ -96,6 +131,98 @@ class Server:
         except ProcessLookupError:
             pass
         self.proc.wait(30)
+
+
+#: the process names (``/proc/<pid>/comm``, 15 characters) of vLLM's engine
+#: processes: EngineCore and its worker
+ENGINE_COMMS = ("VLLM::EngineCor", "VLLM::Worker")
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it."""
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += kids.get(p, [])
+    return out
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of ``pid`` onto ``cpus`` (``sched_setaffinity`` is per
+    thread; threads started later inherit their creator's)."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return
+    for tid in tids:
+        try:
+            os.sched_setaffinity(int(tid), cpus)
+        except OSError:  # a thread that just ended
+            pass
+
+
+def pin_server(pid: int, engine: set[int], front: set[int]) -> tuple[list[int], list[int]]:
+    """The engine processes of the server ``pid`` onto ``engine``, the rest
+    (the API server, its helpers) onto ``front``; returns both pid lists."""
+    engine_pids, front_pids = [], []
+    for p in _descendants(pid):
+        (engine_pids if _comm(p).startswith(ENGINE_COMMS) else front_pids).append(p)
+    if not engine_pids:
+        raise RuntimeError(f"no EngineCore/worker process under pid {pid}")
+    for p in engine_pids:
+        pin_process(p, engine)
+    for p in front_pids:
+        pin_process(p, front)
+    return engine_pids, front_pids
+
+
+def parse_pin(text: str) -> tuple[set[int], set[int]] | None:
+    """``ENGINE/FRONT`` core lists (``0/1``, ``0-3/4,5``), or ``none``."""
+    if text == "none":
+        return None
+
+    def cores(part: str) -> set[int]:
+        out: set[int] = set()
+        for item in part.split(","):
+            lo, _, hi = item.partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    engine, sep, front = text.partition("/")
+    if not sep:
+        raise ValueError(f"--pin {text!r}: ENGINE/FRONT core lists, or none")
+    return cores(engine), cores(front)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of ``pids`` (their ended threads included)."""
+    ticks = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def get(url: str, path: str, api_key: str | None = None, timeout: float = 30):
@@ -149,14 +276,21 @@ def prompts(n: int) -> list[list[int]]:
     return out
 
 
-def load(url: str, model: str, api_key: str | None, n: int, concurrency: int,
-         max_tokens: int) -> float:
-    """Tokens per second over ``n`` completions, ``concurrency`` at a time."""
+def run_load(url: str, model: str, api_key: str | None, n: int, concurrency: int,
+             max_tokens: int) -> tuple[int, float]:
+    """``(tokens, seconds)`` of ``n`` completions, ``concurrency`` at a time."""
     work = prompts(n)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         tokens = sum(pool.map(lambda p: complete(url, model, api_key, p, max_tokens), work))
-    return tokens / (time.perf_counter() - t0)
+    return tokens, time.perf_counter() - t0
+
+
+def load(url: str, model: str, api_key: str | None, n: int, concurrency: int,
+         max_tokens: int) -> float:
+    """Tokens per second over ``n`` completions, ``concurrency`` at a time."""
+    tokens, secs = run_load(url, model, api_key, n, concurrency, max_tokens)
+    return tokens / secs
 
 
 class Poller:
@@ -212,32 +346,100 @@ class Poller:
             t.join(30)
 
 
+def quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """First quartile, median, third quartile."""
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q1, q2, q3 = quantiles(xs, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def one_round(url: str, model: str, api_key: str | None, requests: int, concurrency: int,
+              max_tokens: int, rate: float | None, engine_pids: list[int],
+              front_pids: list[int]) -> dict:
+    """One round of the load, polled at ``rate`` (None: not polled): its
+    throughput, the engine's and the front end's CPU seconds, the polls."""
+    load0 = os.getloadavg()[0]
+    e0, f0 = cpu_seconds(engine_pids), cpu_seconds(front_pids)
+    if rate:
+        with Poller(url, api_key, rate) as p:
+            tokens, secs = run_load(url, model, api_key, requests, concurrency, max_tokens)
+        answers, snaps = p.answers, len(p.snapshots)
+    else:
+        tokens, secs = run_load(url, model, api_key, requests, concurrency, max_tokens)
+        answers = snaps = 0
+    e1, f1 = cpu_seconds(engine_pids), cpu_seconds(front_pids)
+    return {"polled": bool(rate), "tok_s": tokens / secs, "tokens": tokens, "seconds": secs,
+            "engine_cpu_s": e1 - e0, "front_cpu_s": f1 - f0, "answers": answers,
+            "snapshots": snaps, "load": (load0 + os.getloadavg()[0]) / 2}
+
+
+def _side(rounds: list[dict], engine: bool) -> dict:
+    out = {"tok_s": quartiles([r["tok_s"] for r in rounds])}
+    if engine:
+        out["engine_ms_per_ktok"] = quartiles([1e6 * r["engine_cpu_s"] / r["tokens"]
+                                               for r in rounds])
+        out["front_ms_per_ktok"] = quartiles([1e6 * r["front_cpu_s"] / r["tokens"]
+                                              for r in rounds])
+    return out
+
+
 def measure(url: str, api_key: str | None, requests: int, concurrency: int,
-            max_tokens: int, rate: float, rounds: int, out=sys.stdout) -> dict:
+            max_tokens: int, rate: float, rounds: int, out=sys.stdout,
+            engine_pids: list[int] | None = None, front_pids: list[int] | None = None) -> dict:
+    """``rounds`` pairs of rounds, one not polled and one polled at
+    ``rate``, the pair's order swapped each time (ABBA...)."""
+    engine_pids, front_pids = engine_pids or [], front_pids or []
     model = model_of(url, api_key)
-    load(url, model, api_key, min(requests, 8), concurrency, max_tokens)  # warm-up
-    plain, polled, polls, snaps = [], [], 0, 0
+    for warm in (None, rate):  # both paths warm before anything counts
+        one_round(url, model, api_key, min(requests, 16), concurrency, max_tokens, warm, [], [])
+    done: list[dict] = []
     for r in range(rounds):
-        # alternate which goes first, so that drift favours neither
         for polling in ((False, True) if r % 2 == 0 else (True, False)):
-            if polling:
-                with Poller(url, api_key, rate) as p:
-                    t0 = time.monotonic()
-                    polled.append(load(url, model, api_key, requests, concurrency, max_tokens))
-                    secs = time.monotonic() - t0
-                polls += p.answers
-                snaps += len(p.snapshots)
-                print(f"  round {r}: polled at {rate:g}/s: {polled[-1]:.1f} tok/s "
-                      f"({p.answers} answers in {secs:.1f} s, {len(p.snapshots)} engine "
-                      "snapshots)", file=out, flush=True)
-            else:
-                plain.append(load(url, model, api_key, requests, concurrency, max_tokens))
-                print(f"  round {r}: no polling: {plain[-1]:.1f} tok/s", file=out, flush=True)
-    res = {"plain_tok_s": median(plain), "polled_tok_s": median(polled),
-           "ratio": median(polled) / median(plain), "polls": polls, "snapshots": snaps}
-    print(f"owners polling at {rate:g}/s: {res['polled_tok_s']:.1f} tok/s against "
-          f"{res['plain_tok_s']:.1f} tok/s without (median of {rounds}): ratio "
-          f"{res['ratio']:.3f}; {polls} answers from {snaps} engine snapshots", file=out)
+            res = one_round(url, model, api_key, requests, concurrency, max_tokens,
+                            rate if polling else None, engine_pids, front_pids)
+            res["round"] = r
+            done.append(res)
+            eng = (f", engine {1e6 * res['engine_cpu_s'] / res['tokens']:.0f} ms CPU per 1000 "
+                   "tokens" if engine_pids else "")
+            what = f"polled at {rate:g}/s" if polling else "no polling"
+            extra = (f" ({res['answers']} answers in {res['seconds']:.1f} s, "
+                     f"{res['snapshots']} engine snapshots)" if polling else "")
+            print(f"  round {r}: {what}: {res['tok_s']:.1f} tok/s{eng}{extra} "
+                  f"[load {res['load']:.1f}]", file=out, flush=True)
+    plain = [d for d in done if not d["polled"]]
+    polled = [d for d in done if d["polled"]]
+    a, b = _side(plain, bool(engine_pids)), _side(polled, bool(engine_pids))
+    res = {"rate": rate, "rounds": rounds, "requests": requests, "concurrency": concurrency,
+           "max_tokens": max_tokens, "plain": a, "polled": b,
+           "plain_tok_s": a["tok_s"][1], "polled_tok_s": b["tok_s"][1],
+           "ratio": b["tok_s"][1] / a["tok_s"][1],
+           "polls": sum(d["answers"] for d in polled),
+           "snapshots": sum(d["snapshots"] for d in polled),
+           "load": [min(d["load"] for d in done), max(d["load"] for d in done)],
+           "per_round": done}
+
+    def iqr(q):
+        return f"{q[1]:.1f} (IQR {q[0]:.1f}-{q[2]:.1f})"
+
+    print(f"owners polling at {rate:g}/s, {rounds} rounds each (median, interquartile "
+          f"range): {iqr(b['tok_s'])} tok/s polled against {iqr(a['tok_s'])} without: "
+          f"ratio of medians {res['ratio']:.3f}; {res['polls']} answers from "
+          f"{res['snapshots']} engine snapshots; host load {res['load'][0]:.1f}-"
+          f"{res['load'][1]:.1f}", file=out)
+    if engine_pids:
+        res["engine_ratio"] = b["engine_ms_per_ktok"][1] / a["engine_ms_per_ktok"][1]
+        res["front_ratio"] = b["front_ms_per_ktok"][1] / a["front_ms_per_ktok"][1]
+        # the API server's CPU beyond what the same tokens cost it unpolled,
+        # per answer: what one poll costs the front end
+        extra_ms = (b["front_ms_per_ktok"][1] - a["front_ms_per_ktok"][1]) * sum(
+            d["tokens"] for d in polled) / 1000
+        res["front_ms_per_poll"] = extra_ms / max(1, res["polls"])
+        print(f"engine CPU per 1000 tokens: {iqr(b['engine_ms_per_ktok'])} ms polled against "
+              f"{iqr(a['engine_ms_per_ktok'])} ms without: ratio {res['engine_ratio']:.3f}; "
+              f"API server: {b['front_ms_per_ktok'][1]:.0f} ms against "
+              f"{a['front_ms_per_ktok'][1]:.0f} ms: ratio {res['front_ratio']:.3f}, about "
+              f"{res['front_ms_per_poll']:.2f} ms per poll", file=out)
     return res
 
 
@@ -248,33 +450,44 @@ def main(argv=None) -> int:
                                   "tiny model)")
     ap.add_argument("--api-key", default=None,
                     help="the server's --api-key (default: none; the started server's own)")
-    ap.add_argument("--requests", type=int, default=64, help="completions per round "
-                                                             "(default 64)")
+    ap.add_argument("--requests", type=int, default=128, help="completions per round "
+                                                              "(default 128)")
     ap.add_argument("--concurrency", type=int, default=8, help="at a time (default 8)")
     ap.add_argument("--max-tokens", type=int, default=32, help="per completion (default 32)")
     ap.add_argument("--rate", type=float, default=20.0, help="polls per second (default 20)")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of each (default 3)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds of each (default 12)")
+    ap.add_argument("--pin", default="0/1" if (os.cpu_count() or 1) > 1 else "none",
+                    help="ENGINE/FRONT cores: the started server's EngineCore and worker on "
+                         "ENGINE, its API server and this client on FRONT (default 0/1; "
+                         "none: not pinned)")
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args(argv)
+    pin = parse_pin(args.pin)
+    if pin is not None:
+        pin_process(os.getpid(), pin[1])  # before any client thread starts
     server = None
+    engine_pids: list[int] = []
+    front_pids: list[int] = []
     if args.url is None:
         import tempfile
 
         work = tempfile.mkdtemp(prefix="kvsan-owners-poll-")
         print(f"starting vllm serve on the tiny model (logs: {work})", file=sys.stderr)
-        server = Server(work)
+        server = Server(work, pin=pin)
         url, key = server.url, server.api_key
+        engine_pids, front_pids = server.engine_pids, server.front_pids
     else:
         url, key = args.url.rstrip("/"), args.api_key
     try:
         res = measure(url, key, args.requests, args.concurrency, args.max_tokens, args.rate,
-                      args.rounds)
+                      args.rounds, engine_pids=engine_pids, front_pids=front_pids)
     finally:
         if server is not None:
             server.stop()
+    res["pin"] = args.pin if pin is not None else "none"
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(res, f)
+            json.dump(res, f, indent=1)
     return 0
 
 

@@ -254,3 +254,41 @@ def test_soak_against_its_baseline():
     leak = _soak_rows([kb + 20_000 + 30_000 * i for i, kb in enumerate(grows)])
     bad = soak.against(leak, base)
     assert not bad["holds"] and bad["kvsan_growth_kb"] == 2 * 30_000, bad  # (from 2 min on)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning needs two cores")
+def test_owners_poll_pins_the_engine_apart_from_the_front_end():
+    """benchmarks.owners_poll's pinning on a real process tree: the
+    processes named as vLLM names EngineCore and its worker go to the engine's
+    cores with all their threads, the rest to the front end's."""
+    import subprocess
+    import time
+
+    from benchmarks.owners_poll import parse_pin, pin_server
+
+    assert parse_pin("0/1") == ({0}, {1}) and parse_pin("0-2/3,5") == ({0, 1, 2}, {3, 5})
+    assert parse_pin("none") is None
+    a, b = sorted(os.sched_getaffinity(0))[:2]
+    child = ("import threading,time;open('/proc/self/comm','w').write('VLLM::Worker');"
+             "threading.Thread(target=time.sleep,args=(60,),daemon=True).start();time.sleep(60)")
+    front = subprocess.Popen([sys.executable, "-c", "import subprocess,sys,time;"
+                              f"subprocess.Popen([sys.executable,'-c',{child!r}]);time.sleep(60)"])
+    kids: list[str] = []
+    try:
+        for _ in range(100):
+            kids = subprocess.run(["pgrep", "-P", str(front.pid)], capture_output=True,
+                                  text=True).stdout.split()
+            if kids and open(f"/proc/{kids[0]}/comm").read().strip() == "VLLM::Worker" \
+                    and len(os.listdir(f"/proc/{kids[0]}/task")) == 2:
+                break
+            time.sleep(0.1)
+        engine_pids, front_pids = pin_server(front.pid, {a}, {b})
+        assert engine_pids == [int(kids[0])] and front_pids == [front.pid]
+        for tid in os.listdir(f"/proc/{kids[0]}/task"):
+            assert os.sched_getaffinity(int(tid)) == {a}
+        assert os.sched_getaffinity(front.pid) == {b}
+    finally:
+        for kid in kids:
+            os.kill(int(kid), 9)
+        front.kill()
+        front.wait()
