@@ -18,7 +18,7 @@ def test_sched_lockstep_tiny():
     from kvsan import current_runtime
 
     before = current_runtime()  # (another test module may have installed kvsan)
-    res = sched.bench(sizes=(8,), steps=4, chunks=2)
+    res = sched.bench(sizes=(8,), steps=4, chunks=2, processes=1)  # one process per lane
     r = res[8]
     assert r["off_us"] > 0 and len(r["default"]) == 2 and len(r["strict"]) == 2
     assert len(r["production"]) == 2 and r["sampled"]["admitted"] > 0
