@@ -136,7 +136,12 @@ def main(spec_path: str) -> None:
                     sys.stderr.flush()
                     os._exit(0)
 
+    # libFuzzer's own files (slow units, crashes) beside the corpus, never
+    # in the directory the command was started from
+    artifacts = os.path.join(os.path.dirname(os.path.abspath(spec["corpus"])), "artifacts")
+    os.makedirs(artifacts, exist_ok=True)
     args = [sys.argv[0], f"-seed={spec['seed'] + 1}", f"-max_total_time={spec['seconds']}",
+            f"-artifact_prefix={artifacts}{os.sep}",
             "-max_len=512", "-len_control=0", "-timeout=60", "-rss_limit_mb=6144", "-print_final_stats=1",
             "-reload=0", spec["corpus"]]
     atheris.Setup(args, one_input)
