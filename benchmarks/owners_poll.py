@@ -17,29 +17,33 @@ API key) and stops it after.
 
 Pinning (``--pin ENGINE/FRONT``, default ``0/1``; ``none`` to leave the
 kernel to place them).  On a small host the load generator, the polling
-client and the server share the cores, and where the kernel puts the
-engine decides the figure more than anything measured: vLLM's CPU backend
-binds the worker's OpenMP threads to one core (``VLLM_CPU_OMP_THREADS_BIND``
+client and the server share the cores, and where the kernel puts them
+decides the figure more than anything measured: vLLM's CPU backend binds
+the worker's OpenMP threads to one core (``VLLM_CPU_OMP_THREADS_BIND``
 ``auto``: core 0, the other "reserved") and leaves EngineCore and the API
-server to float; the worker busy-waits (``sched_yield``) on its shared-memory
-queue for a second after each step, so rounds in which EngineCore lands on
-the worker's core run about 3x slower than rounds in which it does not, in
-two clusters.  Pinned, the engine -- EngineCore and its worker process, all
-their threads, with ``VLLM_CPU_OMP_THREADS_BIND`` set to the same cores --
-runs on ENGINE, and the API server (where the endpoint's handler runs), the
-load generator and the polling client (this process) on FRONT: what is
-measured is the engine's serving throughput and what polling costs it, not
-the client's CPU competing with the engine, and every round has the same
-placement.  Absolute figures are then lower than vLLM's own layout
-(EngineCore on the reserved core): the ratio is the figure.  A started
-server is pinned after it answers ``/health`` (threads started later
-inherit their creator's cores); with ``--url`` only this process is pinned.
+server to float, and both engine processes busy-wait (``sched_yield``) on
+their shared-memory queues for a second after each read.  A busy-waiter
+sharing a core with a process it is not waiting for takes the core from
+it, so each placement has its own throughput and the kernel keeps one for
+seconds at a time: unpinned rounds of the same load vary up to 4x, in
+clusters (benchmarks/results.md).  Pinned, the engine -- EngineCore and
+its worker process, all their threads, with ``VLLM_CPU_OMP_THREADS_BIND``
+set to the same cores -- runs on ENGINE, where each one's busy-wait yields
+to the one process it waits for, and the API server (where the endpoint's
+handler runs), the load generator and the polling client (this process) on
+FRONT: what is measured is the engine's serving throughput and what
+polling costs it, not the client's CPU competing with the engine, and
+every round has the same placement.  A started server is pinned after it
+answers ``/health`` (threads started later inherit their creator's cores);
+with ``--url`` only this process is pinned.
 
-Besides throughput, which a busy host's other jobs move, each round reads
-the engine processes' CPU time from ``/proc/<pid>/stat``: the engine's CPU
-seconds per 1000 tokens generated do not count the time another job held
-the core, so polled against not polled they show the engine-side cost
-directly, and the API server's CPU per 1000 tokens shows the front end's.
+Each side's median and interquartile range are printed, with the ratio
+of the medians and the ratio within each back-to-back pair.  Each round
+also reads CPU times from ``/proc/<pid>/stat``: the API server's per 1000
+tokens, polled against not, is what polling costs the front end; the
+engine's (EngineCore and worker) follows its wall time per token, since
+its busy-waits keep its core busy through a round -- a check that it held
+its core, not a separate measure of cost.
 """
 
 from __future__ import annotations
@@ -418,15 +422,23 @@ def measure(url: str, api_key: str | None, requests: int, concurrency: int,
            "snapshots": sum(d["snapshots"] for d in polled),
            "load": [min(d["load"] for d in done), max(d["load"] for d in done)],
            "per_round": done}
+    # each pair's two rounds ran back to back: their ratio cancels the drift
+    # between pairs that the two sides' medians still carry
+    pair = {}
+    for d in done:
+        pair.setdefault(d["round"], {})[d["polled"]] = d["tok_s"]
+    res["pair_ratio"] = quartiles([p[True] / p[False] for p in pair.values()])
 
-    def iqr(q):
-        return f"{q[1]:.1f} (IQR {q[0]:.1f}-{q[2]:.1f})"
+    def iqr(q, digits=1):
+        return f"{q[1]:.{digits}f} (IQR {q[0]:.{digits}f}-{q[2]:.{digits}f})"
 
     print(f"owners polling at {rate:g}/s, {rounds} rounds each (median, interquartile "
           f"range): {iqr(b['tok_s'])} tok/s polled against {iqr(a['tok_s'])} without: "
           f"ratio of medians {res['ratio']:.3f}; {res['polls']} answers from "
           f"{res['snapshots']} engine snapshots; host load {res['load'][0]:.1f}-"
           f"{res['load'][1]:.1f}", file=out)
+    print(f"per pair (polled / not polled, back to back): ratio {iqr(res['pair_ratio'], 3)}",
+          file=out)
     if engine_pids:
         res["engine_ratio"] = b["engine_ms_per_ktok"][1] / a["engine_ms_per_ktok"][1]
         res["front_ratio"] = b["front_ms_per_ktok"][1] / a["front_ms_per_ktok"][1]
@@ -455,7 +467,7 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="at a time (default 8)")
     ap.add_argument("--max-tokens", type=int, default=32, help="per completion (default 32)")
     ap.add_argument("--rate", type=float, default=20.0, help="polls per second (default 20)")
-    ap.add_argument("--rounds", type=int, default=12, help="rounds of each (default 12)")
+    ap.add_argument("--rounds", type=int, default=12, help="pairs of rounds, one of each (default 12)")
     ap.add_argument("--pin", default="0/1" if (os.cpu_count() or 1) > 1 else "none",
                     help="ENGINE/FRONT cores: the started server's EngineCore and worker on "
                          "ENGINE, its API server and this client on FRONT (default 0/1; "
