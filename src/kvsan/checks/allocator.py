@@ -111,10 +111,6 @@ class AllocatorChecker:
         #: the adapter's count of steps without progress
         #: (:class:`~kvsan.checks.liveness.StallWatch`), made when first needed
         self.stall = None
-        #: the adapter's mark of the engine's progress at the last quiet step
-        self.stall_mark = None
-        #: lease -> ranks yet to report that transfer done (an adapter's)
-        self.store_ranks: dict[str, int] = {}
         #: an engine adapter's fast path for clean events, or None (set by
         #: :meth:`use_fast`).  It applies an event to the table only after
         #: checking that this checker would find nothing wrong with it, and

@@ -23,20 +23,23 @@ class StallWatch:
     stall (0: never).  One report per stall: the count starts again only
     after a step with progress."""
 
-    __slots__ = ("limit", "last", "run", "told")
+    __slots__ = ("limit", "last", "run", "told", "mark")
 
     def __init__(self, limit: int):
         self.limit = limit
         self.last = -2  # the last quiet step
         self.run = 0  # quiet steps in a row, ending at ``last``
         self.told = False  # this run was reported
+        self.mark = None  # the adapter's mark of the engine's state at ``last``
 
-    def quiet(self, step: int) -> bool:
-        """Step ``step`` scheduled nothing and nothing else moved.  True
-        once per run of quiet steps, when it reaches the limit."""
-        if step != self.last + 1:
+    def quiet(self, step: int, mark=None) -> bool:
+        """Step ``step`` scheduled nothing.  ``mark``: what moves when the
+        engine makes progress (the adapter's; a mark unlike the last quiet
+        step's means progress in between).  True once per run of quiet
+        steps, when it reaches the limit."""
+        if step != self.last + 1 or mark != self.mark:
             self.run, self.told = 0, False  # a step in between made progress
-        self.last = step
+        self.last, self.mark = step, mark
         self.run += 1
         if self.limit and self.run >= self.limit and not self.told:
             self.told = True

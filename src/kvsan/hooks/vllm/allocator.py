@@ -923,11 +923,10 @@ def _update_from_kv_xfer_finished(wrapped, instance, args, kwargs):
     request before the scheduler frees them (the legal late free)."""
     rt = _rt._runtime
     ck = _scheduler_checker(rt, instance) if rt is not None else None
+    out = args[0] if args else kwargs.get("kv_connector_output")
     if ck is not None and (ck.leases or ck.stall is not None):
-        _guard(rt, "_update_from_kv_xfer_finished", transfers.on_transfers_done, ck,
-               args[0] if args else kwargs["kv_connector_output"])
+        _guard(rt, "_update_from_kv_xfer_finished", transfers.on_transfers_done, ck, out)
     if ck is not None and ck.connector_held:
-        out = args[0] if args else kwargs["kv_connector_output"]
         for rid in (*(getattr(out, "finished_sending", None) or ()),
                     *(getattr(out, "finished_recving", None) or ())):
             if rid in ck.connector_held:

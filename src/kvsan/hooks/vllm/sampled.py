@@ -283,15 +283,9 @@ def _ended(w: Watch, rid: str, managers) -> None:
                     _unguard(pool.blocks[bid])
 
 
-def _update_from_output(wrapped, instance, args, kwargs):
-    ret = wrapped(*args, **kwargs)
-    rt = _rt._runtime
-    if rt is not None and not instance.requests and rt.busy:
-        _guard(rt, "idle_audit", idle_audit, rt, instance)
-    return ret
-
-
-def _finish_requests(wrapped, instance, args, kwargs):
+def _audit_when_idle(wrapped, instance, args, kwargs):
+    """``update_from_output`` and ``finish_requests``: the two calls after
+    which a busy scheduler can find itself with no request left."""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
     if rt is not None and not instance.requests and rt.busy:
@@ -346,8 +340,8 @@ def targets() -> list[Target]:
         Target(_alloc._SCHED, "Scheduler.__init__", _scheduler_init),
         Target(_alloc._SCHED, "Scheduler.add_request", _add_request, True),
         Target(_alloc._SCHED, "Scheduler.schedule", _schedule, True),
-        Target(_alloc._SCHED, "Scheduler.update_from_output", _update_from_output, True),
-        Target(_alloc._SCHED, "Scheduler.finish_requests", _finish_requests, True),
+        Target(_alloc._SCHED, "Scheduler.update_from_output", _audit_when_idle, True),
+        Target(_alloc._SCHED, "Scheduler.finish_requests", _audit_when_idle, True),
     ]
 
 

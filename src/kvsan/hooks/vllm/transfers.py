@@ -28,6 +28,8 @@ blocks (:class:`~kvsan.checks.liveness.StallWatch`).
 
 from __future__ import annotations
 
+import weakref
+
 from ... import runtime as _rt
 from ...checks.liveness import StallWatch
 from .. import Target
@@ -83,11 +85,9 @@ def quiet_step(rt, sched, ck, ret) -> None:
     watch = ck.stall
     if watch is None or watch.limit != rt.config.stall_steps:
         watch = ck.stall = StallWatch(rt.config.stall_steps)
-    sig = _progress_mark(sched)
-    if getattr(ret, "finished_req_ids", None) or sig != ck.stall_mark:
-        watch.progress()  # a request ended, or tokens were computed since the last quiet step
-    ck.stall_mark = sig
-    if not watch.quiet(rt.step):
+    if getattr(ret, "finished_req_ids", None):
+        watch.progress()  # a request ended since the last step
+    if not watch.quiet(rt.step, _progress_mark(sched)):
         return
     holders = stranded(sched, ck)
     if holders is None:
@@ -162,6 +162,10 @@ def on_transfers_done(ck, out) -> None:
 
 
 # ------------------------------------------------- Mooncake store jobs
+#: checker -> {store lease: ranks yet to report that job done}
+_STORE_RANKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
 def _store_checker(rt, store):
     pool = getattr(store, "_gpu_block_pool", None)
     return rt.checkers.get(pool) if pool is not None else None
@@ -185,7 +189,7 @@ def lease_store_jobs(rt, store, meta) -> None:
         return
     skip = set(getattr(store, "_boundary_state_group_ids", ()) or ())
     ranks = getattr(store, "_num_workers", 1) or 1
-    todo = ck.store_ranks
+    todo = _STORE_RANKS.setdefault(ck, {})
     for req in getattr(meta, "requests", ()) or ():
         job = getattr(req, "store_job_id", None)
         if job is None or not getattr(req, "can_save", True):
@@ -219,7 +223,7 @@ def end_store_jobs(rt, store, out) -> None:
     saves = getattr(meta, "completed_saves", None)
     if ck is None or not saves:
         return
-    todo = ck.store_ranks
+    todo = _STORE_RANKS.setdefault(ck, {})
     for job, count in saves.items():
         name = f"{STORE}{job}"
         left = todo.get(name, 1) - count
