@@ -276,3 +276,42 @@ def test_each_pool_files_its_own_journal(rt):
     assert len(mine["cached"]) == 2 and mine["freed"]
     assert other == {"cached": [], "uncached": [], "freed": [], "dropped": [], "reset": False}
     assert kinds_of(rt) == []
+
+
+def test_scheduler_admit_and_held_routes_post_only_when_due(rt, monkeypatch):
+    """``add_request`` and ``_connector_finished`` (called for every request
+    that ends, connector or not) run as native hooks (ADMIT, HELD) whose
+    Python half runs only when there is something to do: the first request
+    a scheduler at rest takes writes ``kvsan.busy`` once, later ones
+    nothing; an end without a connector (vLLM's ``(False, None)``) hands
+    Python nothing.  With the hooks off, no ``kvsan.busy`` is written."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.request import Request, RequestStatus
+
+    from benchmarks.sched import _hasher, make_scheduler
+    from kvsan import hooks
+    from kvsan.hooks.vllm import allocator
+
+    for attr, kind in (("add_request", "ADMIT"), ("_connector_finished", "HELD")):
+        hook = hooks.native_hook(Scheduler.__dict__[attr])
+        assert hook is not None and hook.kind == getattr(hooks.HOOKFAST, kind), attr
+    sched = make_scheduler(4, 32)
+    events, held = [], []
+    real_event = rt.reporter.event
+    monkeypatch.setattr(rt.reporter, "event",
+                        lambda name, **kw: (events.append(name), real_event(name, **kw)))
+    monkeypatch.setattr(allocator, "_connector_holds", lambda *a: held.append(a))
+    monkeypatch.setattr(rt, "busy", False)
+
+    def request(rid):
+        return Request(request_id=rid, prompt_token_ids=list(range(40)),
+                       sampling_params=SamplingParams(max_tokens=4),
+                       pooling_params=None, block_hasher=_hasher())
+
+    sched.add_request(request("a"))
+    assert rt.busy and events.count("kvsan.busy") == 1
+    sched.add_request(request("b"))
+    sched.schedule()
+    sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert events.count("kvsan.busy") == 1 and held == [] and kinds_of(rt) == []

@@ -84,9 +84,14 @@ def test_double_unref_on_abort(native, victim_sampled):
     """A (never sampled) is aborted and its cancel path drops its prefix
     references twice: the blocks B still reads go back to the free queue.
     Reported, naming B and A, exactly when B is sampled."""
+    from kvsan import hooks
     from kvsan.hooks.vllm import faults
 
     with production(0.5, native=native) as rt:
+        if native and hooks.HOOKFAST is not None:  # admission: the native ADMIT route, every call
+            from vllm.v1.core.sched.scheduler import Scheduler
+
+            assert hooks.native_hook(Scheduler.__dict__["add_request"]).state is True
         a = pick(rt, False, "A")
         b = pick(rt, victim_sampled, "B")
         faults.inject("double_unref_on_abort")

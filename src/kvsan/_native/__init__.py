@@ -36,8 +36,9 @@ native (``kvsan._native.``)      the Python reference it twins
 ``_devicefast.check_rows``       ``checks.device.rows``'s ``check_rows``
 ``_hookfast.Hook`` (ALLOCATE,    the trampoline and Python hook of the same
 TOUCH, RELEASE, CACHE, HITS,     method in ``hooks.vllm.allocator``,
-END, PREEMPT, FINISH, SKIP,      ``identity`` or ``worker``; ``Target.fast``
-SCHED, UPDATE, STEP, GUARD)      names the Python second half it calls
+END, PREEMPT, FINISH, SKIP,      ``identity``, ``worker`` or ``sampled``;
+SCHED, UPDATE, STEP, GUARD,      ``Target.fast`` names the Python second half
+ADMIT, HELD)                     it calls
 ===============================  ===============================================
 
 Files: ``_capi.h`` is the C interface _frames and _shadowfast export to

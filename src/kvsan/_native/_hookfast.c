@@ -50,7 +50,7 @@
 #include <stddef.h>
 #include <time.h>
 
-#define KVSAN_HOOKFAST_ABI 12
+#define KVSAN_HOOKFAST_ABI 13
 
 #include "_capi.h"
 #include "_slots.h"
@@ -58,7 +58,7 @@
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
        K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_UPDATE = 10, K_PREEMPT = 11,
-       K_FINISH = 12, K_N = 13 };
+       K_FINISH = 12, K_ADMIT = 13, K_HELD = 14, K_N = 15 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -100,7 +100,7 @@ static PyObject *s_kvsan, *s_reset, *s_finished_req_ids, *s_preempted_req_ids,
     *s_slot_mapping, *s_gpu, *s_req_ids, *s__req_ids, *s_req_id_to_index, *s__fast,
     *s_rows_on, *s__row_order, *s_links,
     *s_guard_step, *s_guard_where,
-    *s_idle_audited;
+    *s_idle_audited, *s_busy;
 
 /* the running kvsan (kvsan.runtime._runtime, borrowed; None when off), or
  * NULL with an exception: read on every hook call, so the last read's
@@ -1565,6 +1565,54 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     return ret;
 }
 
+/* K_ADMIT: ``Scheduler.add_request(request)``; K_HELD:
+ * ``Scheduler._connector_finished(request)``, which vLLM calls for every
+ * request that ends and which returns ``(delay_free, params)``.  vLLM's
+ * method runs; the Python second half is due only when there is something
+ * to do: ADMIT when the runtime is not ``busy`` yet (the scheduler at rest
+ * takes a request: ``h->post(rt, scheduler, request)``), HELD when the result is
+ * not a tuple whose first item is False (a free the connector delays:
+ * ``h->post(rt, scheduler, request, result)``).  Any other shape of call
+ * goes to the Python hook whole (the one-positional-argument call is the
+ * one vLLM 0.32 makes).  Most calls: one attribute read or a tuple look.
+ * An ADMIT hook whose ``state`` is True posts every call, as
+ * ``h->post(rt, scheduler, request)`` (production mode samples each
+ * admission); its other posts have the same three arguments. */
+static PyObject *
+after_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (nargs != 2 || kwnames != NULL) {
+        return SLOW();
+    }
+    Py_INCREF(rt);
+    PyObject *self = Py_NewRef(args[0]), *request = Py_NewRef(args[1]);
+    PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
+    if (ret != NULL) {
+        if (h->kind == K_ADMIT) {
+            /* not busy, every call (state True) or unreadable (Python meets and
+             * guards the same): posted */
+            int busy = h->state == Py_True ? 0 : attr_truth(rt, s_busy, 0);
+            if (busy <= 0) {
+                PyErr_Clear();
+                PyObject *argv[3] = {rt, self, request};
+                post(h, argv, 3, &ret);
+            }
+        } else {
+            int kept = !(PyTuple_CheckExact(ret) && PyTuple_GET_SIZE(ret) > 0
+                         && PyTuple_GET_ITEM(ret, 0) == Py_False);
+            if (kept) {
+                PyObject *argv[4] = {rt, self, request, ret};
+                post(h, argv, 4, &ret);
+            }
+        }
+    }
+    Py_DECREF(request);
+    Py_DECREF(self);
+    Py_DECREF(rt);
+    return ret;
+}
+
 /* K_UPDATE: ``Scheduler.update_from_output(scheduler_output,
  * model_runner_output)``, after vLLM's method ran.  What the Python hook's
  * _update_from_output checks after it (``h->post(rt, scheduler, result)``,
@@ -2096,6 +2144,9 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
             return sched_call(h, rt, args, nargsf, kwnames);
         case K_UPDATE:
             return update_call(h, rt, args, nargsf, kwnames);
+        case K_ADMIT:
+        case K_HELD:
+            return after_call(h, rt, args, nargsf, kwnames);
         default:
             return SLOW();
         }
@@ -2442,6 +2493,9 @@ hook_set_state(Hook *h, PyObject *value, void *Py_UNUSED(closure))
         ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
              && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
     }
+    if (!ok && h->kind == K_ADMIT && value == Py_True) {
+        ok = 1;
+    }
     if (!ok && (h->kind == K_STEP || h->kind == K_GUARD) && PyTuple_CheckExact(value)
         && PyTuple_GET_SIZE(value) == (h->kind == K_STEP ? 5 : 3)) {
         PyObject *third = PyTuple_GET_ITEM(value, 2);
@@ -2458,7 +2512,8 @@ hook_set_state(Hook *h, PyObject *value, void *Py_UNUSED(closure))
                         "ref, dict, held owners (a container), dict, dict, int, tuple, dict); "
                         "for a STEP hook (weak ref, "
                         "list, dict, callable, callable); for a GUARD hook (weak ref, list, "
-                        "None); for a SCHED or UPDATE hook (weak ref, weak ref, checker)");
+                        "None); for a SCHED or UPDATE hook (weak ref, weak ref, checker); "
+                        "for an ADMIT hook True (post every call)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
@@ -2489,7 +2544,14 @@ hook_get_observe_seconds(Hook *h, void *Py_UNUSED(closure))
     return PyFloat_FromDouble(h->observe_seconds);
 }
 
+static PyObject *
+hook_get_kind(Hook *h, void *Py_UNUSED(closure))
+{
+    return PyLong_FromLong(h->kind);
+}
+
 static PyGetSetDef hook_getset[] = {
+    {"kind", (getter)hook_get_kind, NULL, "the route (the module's ALLOCATE ... HELD)", NULL},
     {"observed", (getter)hook_get_observed, NULL,
      "K_CACHE: the identity audit's producer records made in C (see identity_observe)", NULL},
     {"observe_seconds", (getter)hook_get_observe_seconds, NULL,
@@ -2720,6 +2782,7 @@ PyInit__hookfast(void)
     INTERN(s_every_step, "every_step");
     INTERN(s_total_num_scheduled_tokens, "total_num_scheduled_tokens");
     INTERN(s_idle_audited, "idle_audited");
+    INTERN(s_busy, "busy");
     INTERN(s_config, "config");
     INTERN(s_audit_every, "audit_every");
     INTERN(s_metrics, "metrics");
@@ -2764,7 +2827,9 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "STEP", K_STEP) < 0
         || PyModule_AddIntConstant(m, "GUARD", K_GUARD) < 0
         || PyModule_AddIntConstant(m, "SCHED", K_SCHED) < 0
-        || PyModule_AddIntConstant(m, "UPDATE", K_UPDATE) < 0) {
+        || PyModule_AddIntConstant(m, "UPDATE", K_UPDATE) < 0
+        || PyModule_AddIntConstant(m, "ADMIT", K_ADMIT) < 0
+        || PyModule_AddIntConstant(m, "HELD", K_HELD) < 0) {
         Py_DECREF(m);
         return NULL;
     }

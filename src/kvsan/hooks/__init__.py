@@ -267,7 +267,7 @@ SHADOWFAST = None
 #: patched while it is set get them; see :attr:`Target.fast`)
 HOOKFAST = None
 #: the version of ``kvsan._native._hookfast``'s interface this code calls (its ``ABI``)
-HOOKFAST_ABI = 12
+HOOKFAST_ABI = 13
 #: the versions of ``kvsan._native._frames``' and ``kvsan._native._shadowfast``'s interfaces
 FRAMES_ABI = 2
 SHADOWFAST_ABI = 12

@@ -734,9 +734,16 @@ def _update_ends(rt, sched, ret) -> None:
 def _add_request(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    if rt is not None and not rt.busy:
-        _guard(rt, "busy", now_busy, rt)
+    if rt is not None:
+        _admitted(rt, instance, None)
     return ret
+
+
+def _admitted(rt, sched, request) -> None:
+    """After ``add_request`` (the native ADMIT hook calls this only while
+    the runtime is not busy)."""
+    if not rt.busy:
+        _guard(rt, "busy", now_busy, rt)
 
 
 def now_busy(rt) -> None:
@@ -875,11 +882,16 @@ def _connector_finished(wrapped, instance, args, kwargs):
     reported at the freeing call."""
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    if rt is None or not (isinstance(ret, tuple) and ret and ret[0]):
-        return ret
-    _guard(rt, "_connector_finished", _connector_holds, rt, instance,
-           args[0] if args else kwargs["request"])
+    if rt is not None:
+        _connector_held(rt, instance, args[0] if args else kwargs["request"], ret)
     return ret
+
+
+def _connector_held(rt, sched, request, ret) -> None:
+    """After ``_connector_finished`` (the native HELD hook calls this only
+    for a result that is not ``(False, ...)``)."""
+    if isinstance(ret, tuple) and ret and ret[0]:
+        _guard(rt, "_connector_finished", _connector_holds, rt, sched, request)
 
 
 def request_block_ids(sched, rid: str) -> list[int]:
@@ -1379,7 +1391,8 @@ def targets() -> list[Target]:
         Target(_KVM, "KVCacheManager.free", _owner_scoped(_REQUEST, "free"), owner=_REQUEST),
         Target(_KVC, "KVCacheCoordinator.pop_blocks_for_free", _pop_blocks_for_free, True),
         Target(_SCHED, "Scheduler.__init__", _scheduler_init),
-        Target(_SCHED, "Scheduler.add_request", _add_request, True),
+        Target(_SCHED, "Scheduler.add_request", _add_request, True,
+               fast=("ADMIT", _admitted)),
         Target(_SCHED, "Scheduler.schedule", _schedule, fast=("SCHED", _schedule_ends)),
         Target(_SCHED, "Scheduler.update_from_output", _update_from_output,
                fast=("UPDATE", _update_ends)),
@@ -1388,7 +1401,8 @@ def targets() -> list[Target]:
         Target(_SCHED, "Scheduler._free_request", _owner_scoped(_REQUEST, "free"),
                owner=_REQUEST),
         Target(_SCHED, "Scheduler._free_request", _free_request, fast=("END", _request_ended)),
-        Target(_SCHED, "Scheduler._connector_finished", _connector_finished),
+        Target(_SCHED, "Scheduler._connector_finished", _connector_finished,
+               fast=("HELD", _connector_held)),
         Target(_SCHED, "Scheduler._update_from_kv_xfer_finished",
                _update_from_kv_xfer_finished),
         Target(_SCHED, "Scheduler._preempt_request", _preempt_request,

@@ -198,17 +198,21 @@ def _scheduler_init(wrapped, instance, args, kwargs):
 def _add_request(wrapped, instance, args, kwargs):
     ret = wrapped(*args, **kwargs)
     rt = _rt._runtime
-    if rt is None:
-        return ret
+    if rt is not None:
+        _admit(rt, instance, args[0] if args else kwargs["request"])
+    return ret
+
+
+def _admit(rt, sched, request) -> None:
+    """After ``add_request``: the sampling decision for every request (the
+    native ADMIT hook, its state True, calls this after each call)."""
     if not rt.busy:
         _guard(rt, "busy", _alloc.now_busy, rt)
-    request = args[0] if args else kwargs["request"]
     rid = request.request_id
     if rt.sampler.admit(rid):
-        w = _watch_of(instance)
+        w = _watch_of(sched)
         if w is not None:
             w.ck.admit(rid)
-    return ret
 
 
 def _schedule(wrapped, instance, args, kwargs):
@@ -338,7 +342,8 @@ def targets() -> list[Target]:
     return owner_frames + [
         Target(_alloc._BP, "BlockPool.__init__", _pool_init),
         Target(_alloc._SCHED, "Scheduler.__init__", _scheduler_init),
-        Target(_alloc._SCHED, "Scheduler.add_request", _add_request, True),
+        Target(_alloc._SCHED, "Scheduler.add_request", _add_request, True,
+               fast=("ADMIT", _admit)),
         Target(_alloc._SCHED, "Scheduler.schedule", _schedule, True),
         Target(_alloc._SCHED, "Scheduler.update_from_output", _audit_when_idle, True),
         Target(_alloc._SCHED, "Scheduler.finish_requests", _audit_when_idle, True),
@@ -355,7 +360,20 @@ def install(rt, cfg) -> tuple[list[str], list[str]]:
     plain = importlib.import_module(_KVU).KVCacheBlock
     if _PLAIN is not plain:
         _PLAIN, GuardedBlock = plain, _make_guarded(plain)
-    return _hooks.instrument(targets())
+    done = _hooks.instrument(targets())
+    _post_every_admission()
+    return done
+
+
+def _post_every_admission() -> None:
+    """The native ADMIT hooks on ``add_request`` (where in use) call
+    :func:`_admit` after every call, not only when the runtime is at rest."""
+    sched = _sys.modules.get(_alloc._SCHED)
+    cls = getattr(sched, "Scheduler", None)
+    for c in (cls, *(_hooks._all_subclasses(cls) if cls is not None else ())):
+        hook = _hooks.native_hook(c.__dict__.get("add_request"))
+        if hook is not None:
+            hook.state = True
 
 
 def uninstall() -> None:
