@@ -46,18 +46,22 @@ def clear_of_known_vllm_bugs(p):
 
 def test_clean_programs_report_nothing(rt):
     """Random programs over every configuration the decoder builds (layouts,
-    async scheduling, draft tokens, the connector stub, sessions): no
+    async scheduling, draft tokens, the connector stub and vLLM's Mooncake
+    store connector, sessions): no
     violation, no vLLM exception, no harm in vLLM's state, no kvsan error."""
     from kvsan.harness.fuzz import scheduler
 
-    seen = {"async": 0, "spec": 0, "connector": 0, "hybrid": 0, "sliding": 0, "session": 0}
+    seen = {"async": 0, "spec": 0, "stub": 0, "mooncake": 0, "hybrid": 0, "sliding": 0,
+            "session": 0}
     for p in programs(90):
         p = clear_of_known_vllm_bugs(p)
         out = scheduler.execute(p, check_harm=True)
         assert (out.violations, out.error, out.harm, out.internal) == ([], None, [], []), p
         c = p["config"]
-        for k in ("async", "spec", "connector"):
+        for k in ("async", "spec"):
             seen[k] += bool(c[k])
+        if c["connector"]:
+            seen[c["connector"]] += 1
         seen[c["layout"]] = seen.get(c["layout"], 0) + 1
         seen["session"] += any(op[0] == "add" and op[10] for op in p["ops"])
     assert all(seen.values()), seen
@@ -143,3 +147,31 @@ def test_rediscovery_smoke(tmp_path):
                          cwd=str(tmp_path), timeout=300)
     assert rep.returncode == 0, rep.stdout + rep.stderr
     assert "harm:" in rep.stdout and "<- this finding" in rep.stdout
+
+
+MOONCAKE = {"config": {"blocks": 40, "seqs": 4, "budget": 64, "async": False, "caching": True,
+                       "spec": 0, "layout": "full", "connector": "mooncake"},
+            "ops": [["add", 2, 1, 0, -1, 0, 1, -1, -1, None, False], ["step", 0]]}
+
+
+def test_mooncake_store_connector_choice(rt):
+    """vLLM's own Mooncake store connector (its scheduler half; the target
+    reports each store job done three steps later): a request that ends
+    with its store job in flight keeps its blocks referenced until the job
+    is done (clean, no harm); with #52372's reference dropped
+    (``mooncake-store-preempt``), the blocks go back to the free queue under
+    the job: harm with kvsan off, ``free_with_live_owners`` naming the store
+    job with it on (the shrunk finding of a rediscovery run)."""
+    import copy
+
+    from kvsan.harness.fuzz import faultctx, scheduler
+
+    out = scheduler.execute(copy.deepcopy(MOONCAKE), check_harm=True)
+    assert (out.violations, out.error, out.harm, out.internal) == ([], None, [], [])
+    with faultctx.active("realbug:mooncake-store-preempt"):
+        out = scheduler.execute(copy.deepcopy(MOONCAKE), check_harm=True)
+    assert out.error is None and any("free while store job 0 still reads it" in h
+                                     for h in out.harm), out.harm
+    v = [x for x in out.violations if x["kind"] == "free_with_live_owners"]
+    assert v and v[0]["owners"] == ["store:0"] and v[0]["site"].startswith(
+        "single_type_kv_cache_manager.py:free"), out.violations

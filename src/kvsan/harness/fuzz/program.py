@@ -9,7 +9,8 @@ engine needs to climb.  Every program is legal traffic for vLLM: requests
 over a few token families (shared, nested and near-duplicate prefixes),
 steps, aborts at any step, ``reset_prefix_cache``, adapter reloads; the
 configuration picks the pool size, batch shape, async scheduling, draft
-tokens, the KV-cache layout and a KV connector.  Nothing in it names a
+tokens, the KV-cache layout and a KV connector (kvsan's stub, or vLLM's
+own Mooncake store connector).  Nothing in it names a
 block: blocks are vLLM's to hand out.
 """
 
@@ -64,15 +65,19 @@ def decode(data: bytes, engine: bool = False) -> dict:
     }
     spec = (0, 0, 1, 3)[r.byte() % 4]
     layout = LAYOUTS[r.byte() % 4]
-    connector = r.byte() % 4 == 0
+    # (the stub, vLLM's own Mooncake store connector (its scheduler half; a
+    # synchronous, single-group one), or none)
+    connector = {0: "stub", 2: "mooncake"}.get(r.byte() % 4, False)
     if engine:
         cfg.update(blocks=8 + cfg["blocks"], spec=0, layout="full", connector=False)
     else:
         # (an async scheduler's drafts come from the runner's output, not
         # update_draft_token_ids; a connector over several groups must
         # support them: the stub is a single-group one)
+        if connector == "mooncake" and (cfg["async"] or layout != "full"):
+            connector = False
         cfg.update(spec=0 if cfg["async"] else spec, layout=layout,
-                   connector=connector and layout != "hybrid")
+                   connector=connector if layout != "hybrid" else False)
     ops: list[list] = []
     while r.left() > 0 and len(ops) < MAX_OPS:
         code = r.byte() % 14
@@ -91,7 +96,8 @@ def decode(data: bytes, engine: bool = False) -> dict:
             op.append(b % 2 if b % 4 == 3 else -1)                    # adapter name
             b = r.byte()
             # connector: external blocks, async load, load fails, delayed free
-            kv = [b % 4, bool(b & 4), b & 24 == 24, bool(b & 32)] if cfg["connector"] else None
+            kv = ([b % 4, bool(b & 4), b & 24 == 24, bool(b & 32)]
+                  if cfg["connector"] == "stub" else None)
             # a streaming-input session (resumable: it waits for its next
             # segment when it stops); the stub plans no transfer for one
             b = r.byte()

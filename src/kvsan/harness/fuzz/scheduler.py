@@ -55,7 +55,13 @@ def vllm_config(cfg: dict):
             kw["speculative_config"] = SpeculativeConfig(
                 method="ngram", num_speculative_tokens=cfg["spec"],
                 prompt_lookup_max=2, prompt_lookup_min=1)
-        if cfg["connector"]:
+        if cfg["connector"] == "mooncake":
+            # (its scheduler half, as vLLM builds it; the worker half, which
+            # needs the mooncake package and a store, is this target's output)
+            kw["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="MooncakeStoreConnector", kv_role="kv_both",
+                kv_connector_extra_config={"enable_lookup": False, "load_async": False})
+        elif cfg["connector"]:
             kw["kv_transfer_config"] = KVTransferConfig(
                 kv_connector="FuzzConnector", kv_role="kv_both",
                 kv_connector_module_path="kvsan.harness.fuzz.connector",
@@ -190,7 +196,9 @@ class Outcome:
 
 class SchedulerRun:
     def __init__(self, program: dict, check_harm: bool = False):
-        self.program, self.cfg = program, program["config"]
+        self.program, self.cfg = program, dict(program["config"])
+        if self.cfg["connector"] is True:  # (programs written before the Mooncake choice)
+            self.cfg["connector"] = "stub"
         self.check_harm = check_harm
         self.sched = None
         self.queue: deque = deque()
@@ -198,6 +206,9 @@ class SchedulerRun:
         self.versions = [0, 0]  # adapter reloads by name
         self.loads: dict[str, int] = {}      # async loads: rid -> steps left
         self.sending: dict[str, int] = {}    # delayed frees: rid -> steps left
+        #: Mooncake store jobs in flight: job -> [steps left, {block: its
+        #: hash when the job was emitted}] (the blocks the worker reads)
+        self.stores: dict[int, list] = {}
         self.failed: set[str] = set()
         #: request id -> the token family its samples continue (-1: none)
         self.family: dict[str, int] = {}
@@ -276,7 +287,24 @@ class SchedulerRun:
             self.sched.finish_requests(rids, RequestStatus.FINISHED_ABORTED)
 
     def _connector(self):
-        return self.sched.connector if self.cfg["connector"] else None
+        """The stub connector, where the program has it."""
+        return self.sched.connector if self.cfg["connector"] == "stub" else None
+
+    def _track_stores(self, so) -> None:
+        """The store jobs the Mooncake scheduler half emitted this step:
+        the worker reads their blocks until it reports them done, three
+        steps later."""
+        meta = getattr(so, "kv_connector_metadata", None)
+        pool = self.sched.kv_cache_manager.block_pool
+        for req in getattr(meta, "requests", None) or ():
+            job = getattr(req, "store_job_id", None)
+            if job is None or job in self.stores:
+                continue
+            bids = [p.block_id for p in getattr(req, "boundary_puts", None) or ()]
+            if getattr(req, "token_len_chunk", None):
+                bids += [b for group in req.block_ids or () for b in group]
+            self.stores[job] = [3, {b: pool.blocks[b].block_hash for b in bids
+                                    if not pool.blocks[b].is_null}]
 
     def output(self, so, accept: int):
         """The runner's output for ``so``: decided when it is scheduled."""
@@ -308,6 +336,19 @@ class SchedulerRun:
         if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
             kw["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
         mro = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **kw)
+        if self.cfg["connector"] == "mooncake":
+            done = {}
+            for job, entry in list(self.stores.items()):
+                entry[0] -= 1
+                if entry[0] <= 0:
+                    done[job] = 1  # (one worker: every rank reported)
+                    del self.stores[job]
+            if done:
+                from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import (
+                    MooncakeStoreWorkerMetadata)
+
+                mro.kv_connector_output = KVConnectorOutput(
+                    kv_connector_worker_meta=MooncakeStoreWorkerMetadata(completed_saves=done))
         if con is not None:
             recv, sent = set(), set()
             # (a report is counted down when its output is made, and taken
@@ -373,6 +414,8 @@ class SchedulerRun:
         if s.has_requests():
             so = s.schedule()
             self._track_connector()
+            if self.cfg["connector"] == "mooncake":
+                self._track_stores(so)
             mro = self.output(so, accept)
             if self.cfg["async"]:
                 # (the blocks this step writes for each request, while it is
@@ -512,6 +555,14 @@ class SchedulerRun:
             node = node.next_free_block
         if listed != q.num_free_blocks:
             found.append(f"free count {q.num_free_blocks} but {listed} blocks on the free list")
+        for job, (_, blocks) in self.stores.items():
+            for bid, was in blocks.items():
+                b = pool.blocks[bid]
+                if b.ref_cnt <= 0:
+                    found.append(f"block {bid} free while store job {job} still reads it")
+                elif was is not None and b.block_hash != was:
+                    found.append(f"block {bid} handed to another request while store job "
+                                 f"{job} still reads it")
         if getattr(self.sched, "defer_block_free", False):
             # (a consumer connector may load into a free block at once,
             # unordered with the device: vLLM keeps what a step in flight
