@@ -14,6 +14,7 @@ session resumed alone fits: the stall needs the two.)
 Run: ``python docs/findings/session_kv_deadlock.py`` (exit 0 when the stall
 shows)."""
 
+import dataclasses
 import sys
 
 BLOCK = 16
@@ -67,8 +68,10 @@ def step(sched):
     ids = list(so.num_scheduled_tokens)
     sampled = [[7] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_tokens
                else [] for r in ids]
-    sched.update_from_output(so, ModelRunnerOutput(
-        req_ids=ids, sampled_token_ids=sampled, req_id_to_index={r: i for i, r in enumerate(ids)}))
+    kw = {}  # (vLLM 0.34 dropped req_id_to_index)
+    if "req_id_to_index" in {f.name for f in dataclasses.fields(ModelRunnerOutput)}:
+        kw["req_id_to_index"] = {r: i for i, r in enumerate(ids)}
+    sched.update_from_output(so, ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, **kw))
     return so
 
 

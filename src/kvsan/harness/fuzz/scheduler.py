@@ -214,6 +214,11 @@ class SchedulerRun:
         self.family: dict[str, int] = {}
         #: streaming-input sessions, in the order they were added
         self.sessions: list[str] = []
+        #: session -> the most tokens it can reach with the segments sent
+        self.session_len: dict[str, int] = {}
+        #: steps in a row in which nothing was scheduled, finished or
+        #: transferred while requests were waiting (the kvsan-off view of a stall)
+        self.idle_steps = 0
         #: id of a step in flight -> {request: blocks the step writes}
         self.writes: dict[int, dict] = {}
         self.out = Outcome()
@@ -251,6 +256,7 @@ class SchedulerRun:
         self.order.append(rid)
         if resumable:
             self.sessions.append(rid)
+            self.session_len[rid] = len(toks) + op[6]
         self.out.requests += 1
 
     def update(self, op, n: int) -> None:
@@ -266,8 +272,14 @@ class SchedulerRun:
         rid = open_[op[1] % len(open_)]
         final = bool(op[6])
         toks = segment(op, n)
-        if not final and reqs[rid].num_tokens + len(toks) + op[5] > self.max_len:
+        # (a client keeps its session within max_model_len, counting the
+        # segments vLLM has queued and not applied yet: vLLM itself does
+        # not check, #42489, known upstream; the bound counts every sampled
+        # token, of which vLLM keeps all but each segment's last)
+        if not final and self.session_len[rid] + len(toks) + op[5] > self.max_len:
             return  # (the session would outgrow max_model_len: not sent)
+        if not final:
+            self.session_len[rid] += len(toks) + op[5]
         self.sched.add_request(Request(
             request_id=rid, prompt_token_ids=toks, pooling_params=None,
             sampling_params=SamplingParams(max_tokens=op[5], ignore_eos=True),
@@ -413,6 +425,7 @@ class SchedulerRun:
         # reports nothing either)
         if s.has_requests():
             so = s.schedule()
+            self._stalled(so)
             self._track_connector()
             if self.cfg["connector"] == "mooncake":
                 self._track_stores(so)
@@ -440,6 +453,29 @@ class SchedulerRun:
                 return
         if self.queue:
             self._update(*self.queue.pop())
+
+    #: steps without progress after which the kvsan-off view calls it a
+    #: stall (kvsan's KVSAN_STALL_STEPS default)
+    STALL_STEPS = 8
+
+    def _stalled(self, so) -> None:
+        """The kvsan-off view of a stall: requests waiting, and for
+        :data:`STALL_STEPS` steps in a row no token scheduled, no request
+        finished and no transfer pending (nothing outside the engine that
+        could unblock it)."""
+        busy = (so.total_num_scheduled_tokens or so.finished_req_ids or self.queue
+                or any(v is not None for v in self.loads.values())
+                or any(v is not None for v in self.sending.values()) or self.stores)
+        self.idle_steps = 0 if busy else self.idle_steps + 1
+        if self.check_harm and self.idle_steps == self.STALL_STEPS:
+            held = [r for r in self.sched.requests if self._holds(r)]
+            self.out.harm.append(f"no progress for {self.STALL_STEPS} steps: requests "
+                                 f"{held[:4]} wait holding blocks (the engine would hang)")
+
+    def _holds(self, rid) -> bool:
+        return any(not b.is_null for m in
+                   self.sched.kv_cache_manager.coordinator.single_type_managers
+                   for b in m.req_to_blocks.get(rid, ()))
 
     def _update(self, so, mro) -> None:
         self.writes.pop(id(so), None)
