@@ -27,11 +27,11 @@ NATIVE = ROOT / "src" / "kvsan" / "_native"
 #: attributes and methods, the modules' own exports, format strings, CPU
 #: features, and the Python / numpy / torch calls it makes
 NOT_VLLM = frozenset("""
-ABI ALLOCATE AVAILABLE B CACHE END FINISH GUARD HITS HeldMap Hold Hook Links O PREEMPT RELEASE
+ABI ADMIT ALLOCATE AVAILABLE B CACHE END FINISH GUARD HELD HITS HeldMap Hold Hook Links O PREEMPT RELEASE
 ROUTE ROW_SWEEP SAMPLE_BATCH_STEPS SCHED SKIP STEP TEXT_ONLY TOUCH Table UPDATE _C_API __dict__
 __sizeof__ _fast _fed _last_batch _may_defer _n_cached_free _n_owned _np _reads _rid_int
 _row_order _row_sweep _runtime _site_ids _slots_view _tick _unhold _weakref acq_owner acq_site
-acq_step all allocate allocated append audit_every avx2 avx512dq avx512f block_size cache cached
+acq_step all allocate allocated append audit_every avx2 busy avx512dq avx512f block_size cache cached
 calls check_rows checked checksum checksums chunks config configure context counters
 current_owner data_ptr every_step leased device_s direct drop dropped emb enable ended evicted extend extend_text
 fast fill flush_overhead frames freed get guard guard_step guarded_tokens hashes held iOOOU
