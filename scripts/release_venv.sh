@@ -108,6 +108,9 @@ fi
 CC=false CXX=false "${pip[@]}" install -q --no-deps -e "$root"
 "${pip[@]}" install -q 'wrapt>=1.16' 'structlog>=23.1' 'prometheus-client>=0.16' \
   'numpy>=1.22' 'pillow>=9.1' 'pytest>=8' 'hypothesis>=6.100'
+# Atheris, for `kvsan fuzz` against this release (wheels for CPython 3.11
+# and 3.12 only: elsewhere kvsan fuzz says it is missing)
+"${pip[@]}" install -q 'atheris>=2.3' || echo "release_venv: atheris not installed (kvsan fuzz needs it)" >&2
 
 "$dest/bin/python" - <<'PY'
 import importlib.metadata as md
