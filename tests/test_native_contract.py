@@ -27,7 +27,7 @@ NATIVE = ROOT / "src" / "kvsan" / "_native"
 #: attributes and methods, the modules' own exports, format strings, CPU
 #: features, and the Python / numpy / torch calls it makes
 NOT_VLLM = frozenset("""
-ABI ADMIT ALLOCATE AVAILABLE B CACHE END FINISH GUARD HELD HITS HeldMap Hold Hook Links O PREEMPT RELEASE
+ABI ADMIT ADMIT_ALL ALLOCATE AVAILABLE B CACHE END FINISH GUARD HELD HITS HeldMap Hold Hook Links O PREEMPT RELEASE
 ROUTE ROW_SWEEP SAMPLE_BATCH_STEPS SCHED SKIP STEP TEXT_ONLY TOUCH Table UPDATE _C_API __dict__
 __sizeof__ _fast _fed _last_batch _may_defer _n_cached_free _n_owned _np _reads _rid_int
 _row_order _row_sweep _runtime _site_ids _slots_view _tick _unhold _weakref acq_owner acq_site

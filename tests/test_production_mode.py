@@ -88,10 +88,11 @@ def test_double_unref_on_abort(native, victim_sampled):
     from kvsan.hooks.vllm import faults
 
     with production(0.5, native=native) as rt:
-        if native and hooks.HOOKFAST is not None:  # admission: the native ADMIT route, every call
+        if native and hooks.HOOKFAST is not None:  # admission: the native ADMIT_ALL route
             from vllm.v1.core.sched.scheduler import Scheduler
 
-            assert hooks.native_hook(Scheduler.__dict__["add_request"]).state is True
+            hook = hooks.native_hook(Scheduler.__dict__["add_request"])
+            assert hook.kind == hooks.HOOKFAST.ADMIT_ALL
         a = pick(rt, False, "A")
         b = pick(rt, victim_sampled, "B")
         faults.inject("double_unref_on_abort")

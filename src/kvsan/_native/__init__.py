@@ -38,7 +38,7 @@ native (``kvsan._native.``)      the Python reference it twins
 TOUCH, RELEASE, CACHE, HITS,     method in ``hooks.vllm.allocator``,
 END, PREEMPT, FINISH, SKIP,      ``identity``, ``worker`` or ``sampled``;
 SCHED, UPDATE, STEP, GUARD,      ``Target.fast`` names the Python second half
-ADMIT, HELD)                     it calls
+ADMIT, ADMIT_ALL, HELD)          it calls
 ===============================  ===============================================
 
 Files: ``_capi.h`` is the C interface _frames and _shadowfast export to

@@ -58,7 +58,7 @@
 
 enum { K_ALLOCATE = 0, K_TOUCH = 1, K_RELEASE = 2, K_CACHE = 3, K_HITS = 4, K_END = 5,
        K_SKIP = 6, K_STEP = 7, K_GUARD = 8, K_SCHED = 9, K_UPDATE = 10, K_PREEMPT = 11,
-       K_FINISH = 12, K_ADMIT = 13, K_HELD = 14, K_N = 15 };
+       K_FINISH = 12, K_ADMIT = 13, K_HELD = 14, K_ADMIT_ALL = 15, K_N = 16 };
 
 /* set by configure(): strong references */
 static PyObject *rt_globals = NULL; /* dict: kvsan.runtime's globals (``_runtime``) */
@@ -1575,9 +1575,9 @@ sched_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
  * ``h->post(rt, scheduler, request, result)``).  Any other shape of call
  * goes to the Python hook whole (the one-positional-argument call is the
  * one vLLM 0.32 makes).  Most calls: one attribute read or a tuple look.
- * An ADMIT hook whose ``state`` is True posts every call, as
+ * K_ADMIT_ALL: ``add_request`` posting after every call, as
  * ``h->post(rt, scheduler, request)`` (production mode samples each
- * admission); its other posts have the same three arguments. */
+ * admission). */
 static PyObject *
 after_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject *kwnames)
 {
@@ -1589,10 +1589,10 @@ after_call(Hook *h, PyObject *rt, PyObject *const *args, size_t nargsf, PyObject
     PyObject *self = Py_NewRef(args[0]), *request = Py_NewRef(args[1]);
     PyObject *ret = PyObject_Vectorcall(h->original, args, nargsf, kwnames);
     if (ret != NULL) {
-        if (h->kind == K_ADMIT) {
-            /* not busy, every call (state True) or unreadable (Python meets and
+        if (h->kind == K_ADMIT || h->kind == K_ADMIT_ALL) {
+            /* every call (ADMIT_ALL), not busy, or unreadable (Python meets and
              * guards the same): posted */
-            int busy = h->state == Py_True ? 0 : attr_truth(rt, s_busy, 0);
+            int busy = h->kind == K_ADMIT_ALL ? 0 : attr_truth(rt, s_busy, 0);
             if (busy <= 0) {
                 PyErr_Clear();
                 PyObject *argv[3] = {rt, self, request};
@@ -2145,6 +2145,7 @@ hook_vectorcall(PyObject *self, PyObject *const *args, size_t nargsf, PyObject *
         case K_UPDATE:
             return update_call(h, rt, args, nargsf, kwnames);
         case K_ADMIT:
+        case K_ADMIT_ALL:
         case K_HELD:
             return after_call(h, rt, args, nargsf, kwnames);
         default:
@@ -2493,9 +2494,6 @@ hook_set_state(Hook *h, PyObject *value, void *Py_UNUSED(closure))
         ok = PyWeakref_Check(PyTuple_GET_ITEM(value, 0))
              && PyWeakref_Check(PyTuple_GET_ITEM(value, 1));
     }
-    if (!ok && h->kind == K_ADMIT && value == Py_True) {
-        ok = 1;
-    }
     if (!ok && (h->kind == K_STEP || h->kind == K_GUARD) && PyTuple_CheckExact(value)
         && PyTuple_GET_SIZE(value) == (h->kind == K_STEP ? 5 : 3)) {
         PyObject *third = PyTuple_GET_ITEM(value, 2);
@@ -2512,8 +2510,7 @@ hook_set_state(Hook *h, PyObject *value, void *Py_UNUSED(closure))
                         "ref, dict, held owners (a container), dict, dict, int, tuple, dict); "
                         "for a STEP hook (weak ref, "
                         "list, dict, callable, callable); for a GUARD hook (weak ref, list, "
-                        "None); for a SCHED or UPDATE hook (weak ref, weak ref, checker); "
-                        "for an ADMIT hook True (post every call)");
+                        "None); for a SCHED or UPDATE hook (weak ref, weak ref, checker)");
         return -1;
     }
     Py_XSETREF(h->state, Py_NewRef(value));
@@ -2829,7 +2826,8 @@ PyInit__hookfast(void)
         || PyModule_AddIntConstant(m, "SCHED", K_SCHED) < 0
         || PyModule_AddIntConstant(m, "UPDATE", K_UPDATE) < 0
         || PyModule_AddIntConstant(m, "ADMIT", K_ADMIT) < 0
-        || PyModule_AddIntConstant(m, "HELD", K_HELD) < 0) {
+        || PyModule_AddIntConstant(m, "HELD", K_HELD) < 0
+        || PyModule_AddIntConstant(m, "ADMIT_ALL", K_ADMIT_ALL) < 0) {
         Py_DECREF(m);
         return NULL;
     }

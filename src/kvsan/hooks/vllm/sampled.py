@@ -205,7 +205,7 @@ def _add_request(wrapped, instance, args, kwargs):
 
 def _admit(rt, sched, request) -> None:
     """After ``add_request``: the sampling decision for every request (the
-    native ADMIT hook, its state True, calls this after each call)."""
+    native ADMIT_ALL hook calls this after each call)."""
     if not rt.busy:
         _guard(rt, "busy", _alloc.now_busy, rt)
     rid = request.request_id
@@ -343,7 +343,7 @@ def targets() -> list[Target]:
         Target(_alloc._BP, "BlockPool.__init__", _pool_init),
         Target(_alloc._SCHED, "Scheduler.__init__", _scheduler_init),
         Target(_alloc._SCHED, "Scheduler.add_request", _add_request, True,
-               fast=("ADMIT", _admit)),
+               fast=("ADMIT_ALL", _admit)),
         Target(_alloc._SCHED, "Scheduler.schedule", _schedule, True),
         Target(_alloc._SCHED, "Scheduler.update_from_output", _audit_when_idle, True),
         Target(_alloc._SCHED, "Scheduler.finish_requests", _audit_when_idle, True),
@@ -360,20 +360,7 @@ def install(rt, cfg) -> tuple[list[str], list[str]]:
     plain = importlib.import_module(_KVU).KVCacheBlock
     if _PLAIN is not plain:
         _PLAIN, GuardedBlock = plain, _make_guarded(plain)
-    done = _hooks.instrument(targets())
-    _post_every_admission()
-    return done
-
-
-def _post_every_admission() -> None:
-    """The native ADMIT hooks on ``add_request`` (where in use) call
-    :func:`_admit` after every call, not only when the runtime is at rest."""
-    sched = _sys.modules.get(_alloc._SCHED)
-    cls = getattr(sched, "Scheduler", None)
-    for c in (cls, *(_hooks._all_subclasses(cls) if cls is not None else ())):
-        hook = _hooks.native_hook(c.__dict__.get("add_request"))
-        if hook is not None:
-            hook.state = True
+    return _hooks.instrument(targets())
 
 
 def uninstall() -> None:
